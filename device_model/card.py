@@ -1,0 +1,115 @@
+"""The description of one Spyre card: every number the model uses, with its source.
+
+Defaults come from ``../shared/CARD.md``. "public" numbers are IBM's or torch-spyre's own;
+"derived" numbers are computed from public ones and "assumption" marks a modelling choice
+that no public source pins down. Derived and assumed numbers are parameters like every other,
+so a user can change them and see what moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["CardSpec", "DEFAULT_CARD"]
+
+GB = 10**9
+MiB = 2**20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CardSpec:
+    """The card, as the simulator sees it. Frozen and keyword-only; use :meth:`replace`.
+
+    Attributes (defaults and sources):
+        num_cores: 32 active AI cores. Public (IBM research blog; torch-spyre
+            ``architecture/spyre_accelerator.md``).
+        corelets_per_core: 2 corelets sharing one scratchpad. Public (torch-spyre docs).
+        pe_rows, pe_cols: each corelet's PE array is 8 x 8. Public (IBM blog "Lifting the cover
+            on the IBM Spyre accelerator").
+        pe_simd: 8-wide SIMD per PE. Public (same).
+        clock_hz: 1.5 GHz. Derived: 98.304 TFLOPS = 32 x 2 x 8x8 x 8 x 2 flop x 1.5 GHz.
+        scratchpad_bytes: 2 MiB SRAM ("LX") per core. Public.
+        scratchpad_usable_frac: 0.8; 20% is reserved for the backend compiler. Public
+            (torch-spyre ``DXP_LX_FRAC_AVAIL``).
+        stick_bytes: data moves in 128-byte sticks. Public (``BYTES_IN_STICK``).
+        device_memory_bytes: 128 GB LPDDR5. Public (``dataflow_architecture.md``).
+        device_memory_ecc_bytes: 16 GB of it holds ECC, leaving 112 GB usable. Public.
+        device_memory_bw: 204.8 GB/s aggregate peak. Public (``_HBM_BW_GBS``).
+        ring_bytes_per_cycle: 128 B per cycle per direction on the bidirectional ring. Public.
+        max_span_bytes: 256 MiB, the largest contiguous span one core addresses. Public
+            (``MAX_SPAN_BYTES``).
+        pcie_bw: 64 GB/s, PCIe gen5 x16 per direction (32 GT/s x 16 lanes, 128b/130b coding
+            rounds to ~63 GB/s). Derived from the public "PCIe gen5 x16".
+        sfu_elems_per_cycle: 64 elements per cycle per corelet for the 1D special-function unit.
+            Assumption: one 128-byte fp16 stick per cycle; not published. Calibrated in the
+            timing-model work against the measured softmax.
+        sfu_ops_per_elem_transcendental: 4 SFU passes for exp/log/tanh/erf/logistic/rsqrt/...
+            Assumption (not published).
+    """
+
+    num_cores: int = 32
+    corelets_per_core: int = 2
+    pe_rows: int = 8
+    pe_cols: int = 8
+    pe_simd: int = 8
+    clock_hz: float = 1.5e9
+    scratchpad_bytes: int = 2 * MiB
+    scratchpad_usable_frac: float = 0.8
+    stick_bytes: int = 128
+    device_memory_bytes: int = 128 * GB
+    device_memory_ecc_bytes: int = 16 * GB
+    device_memory_bw: float = 204.8e9
+    ring_bytes_per_cycle: int = 128
+    max_span_bytes: int = 256 * MiB
+    pcie_bw: float = 64e9
+    sfu_elems_per_cycle: int = 64
+    sfu_ops_per_elem_transcendental: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or v <= 0:
+                raise ValueError(f"CardSpec.{f.name} must be a positive number, got {v!r}")
+        if self.scratchpad_usable_frac > 1:
+            raise ValueError("CardSpec.scratchpad_usable_frac must be at most 1")
+        if self.device_memory_ecc_bytes >= self.device_memory_bytes:
+            raise ValueError("CardSpec: ECC share must be smaller than device memory")
+
+    # ---- derived figures (properties, so they follow the parameters) ----
+    @property
+    def scratchpad_usable_bytes(self) -> int:
+        """Bytes of scratchpad a program may plan per core (about 1.6 MiB), stick-aligned."""
+        usable = int(self.scratchpad_bytes * self.scratchpad_usable_frac)
+        return usable - usable % self.stick_bytes
+
+    @property
+    def device_memory_usable_bytes(self) -> int:
+        """Device memory the allocator hands out: total less the ECC share (112 GB)."""
+        return self.device_memory_bytes - self.device_memory_ecc_bytes
+
+    @property
+    def pe_flops_per_cycle_per_core(self) -> int:
+        """fp16 flops per cycle per core: corelets x PE rows x cols x SIMD x 2 (multiply-add)."""
+        return self.corelets_per_core * self.pe_rows * self.pe_cols * self.pe_simd * 2
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak fp16 flops of the card (98.304 TFLOPS with the defaults)."""
+        return self.pe_flops_per_cycle_per_core * self.num_cores * self.clock_hz
+
+    @property
+    def ring_bw_per_direction(self) -> float:
+        """Bytes per second per ring direction (192 GB/s with the defaults)."""
+        return self.ring_bytes_per_cycle * self.clock_hz
+
+    def elems_per_stick(self, itemsize: int) -> int:
+        """Elements of a dtype with ``itemsize`` bytes in one stick (64 fp16, 32 fp32)."""
+        return self.stick_bytes // itemsize
+
+    def replace(self, **changes: object) -> CardSpec:
+        """A copy with some fields changed (the spec itself is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_CARD = CardSpec()

@@ -1,0 +1,319 @@
+"""The schedule IR: what the card executes.
+
+A :class:`Kernel` is one device-compute operation: the device-memory tensors it touches and a
+sequence of :class:`Stage` s. A stage is a tiled loop distributed over the cores. Every stage has
+the same anatomy, which is the card's: for each *step*, each core's load/store unit loads whole
+stick blocks of its input tensors from device memory into explicit scratchpad buffers (or receives
+them from another core over the ring, when several cores need the same block in the same step),
+the core's PEs or SFUs compute on scratchpad buffers only, and the load/store unit stores the
+output block back. Input and output buffers have two slots when a stage has more than one step
+(double buffering: step t+1's loads go to the other slot while step t computes).
+
+Work division is data, computed by the tiler and kept here as tables over (step, core):
+
+* ``loads[t][i][c]``: block index of input ``i`` that core ``c`` loads from device memory at step
+  ``t`` (-1: none),
+* ``ring[t][i][c]``: the core that forwards input ``i``'s block to core ``c`` over the ring at step
+  ``t`` (-1: none); the source loads that block in the same step,
+* ``stores[t][c]``: block index of the output that core ``c`` stores after step ``t`` (-1: none).
+
+Block indices are row-major over the operand's block grid (device shape / block shape).
+A stage with a sequential ``reduce_axis`` (matmul's K) visits the same output block over several
+consecutive steps, accumulating in a scratchpad accumulator; ``first``/``last`` flag those steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .layout import DTYPES, TensorLayout
+
+__all__ = [
+    "TensorDecl",
+    "Operand",
+    "SpBuf",
+    "Stage",
+    "Kernel",
+    "ScheduleError",
+    "check_kernel",
+    "format_kernel",
+    "blocks_of",
+]
+
+
+class ScheduleError(ValueError):
+    """A schedule that breaks an invariant of the schedule IR (raised by :func:`check_kernel`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDecl:
+    """A device-memory tensor a kernel touches. role: input, output, temp or const."""
+
+    name: str
+    layout: TensorLayout
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpBuf:
+    """A scratchpad buffer: same offset on every core, ``slots`` copies of ``slot_bytes`` each."""
+
+    name: str
+    offset: int
+    slot_bytes: int
+    slots: int
+    block: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.slots
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Operand:
+    """One device tensor read or written in blocks by a stage.
+
+    ``grid_dims[d]`` is the grid axis that indexes the block along device dim ``d``, or -1 when
+    the block covers the whole dim. ``sp`` names the scratchpad buffer the block goes through.
+    """
+
+    tensor: str
+    block: tuple[int, ...]
+    grid_dims: tuple[int, ...]
+    sp: str
+
+
+def blocks_of(device_shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
+    """The block grid of a tensor: how many blocks along each device dim."""
+    return tuple(d // b for d, b in zip(device_shape, block, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One tiled loop of a kernel. ``kind``: map, matmul, gather, reshape or concat.
+
+    ``body`` is the compute program every core runs on its scratchpad tiles, as
+    ``(unit, op, params)`` records; its meaning per kind is defined in ``device_model.ops``.
+    """
+
+    name: str
+    kind: str
+    grid: tuple[int, ...]
+    reduce_axis: int
+    inputs: tuple[Operand, ...]
+    output: Operand
+    scratch: tuple[SpBuf, ...]
+    body: tuple[tuple[str, str, Any], ...]
+    loads: tuple[tuple[tuple[int, ...], ...], ...]
+    ring: tuple[tuple[tuple[int, ...], ...], ...]
+    stores: tuple[tuple[int, ...], ...]
+    first: tuple[bool, ...]
+    last: tuple[bool, ...]
+    flops: int = 0
+    sfu_elem_ops: int = 0
+    source: str = ""
+
+    @property
+    def steps(self) -> int:
+        return len(self.stores)
+
+    @property
+    def sp_peak_bytes(self) -> int:
+        return max((b.end for b in self.scratch), default=0)
+
+    def sp(self, name: str) -> SpBuf:
+        for b in self.scratch:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One device-compute operation: tensors, stages in order, and which tensors are outputs."""
+
+    name: str
+    tensors: tuple[TensorDecl, ...]
+    stages: tuple[Stage, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    aliases: tuple[tuple[str, str], ...] = ()  # (view, base): a free reshape of a tensor
+    num_cores: int = 32
+    sp_capacity: int = 0
+    stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def tensor(self, name: str) -> TensorDecl:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+# --------------------------------------------------------------------------------------------
+# checker
+
+
+def check_kernel(k: Kernel) -> None:
+    """Check the schedule IR's invariants; raise :class:`ScheduleError` naming the stage."""
+    names = {t.name: t for t in k.tensors}
+    if len(names) != len(k.tensors):
+        raise ScheduleError(f"kernel {k.name}: duplicate tensor names")
+    alias_of = dict(k.aliases)
+    written: set[str] = {n for n in k.inputs} | {t.name for t in k.tensors if t.role == "const"}
+    for view, base in k.aliases:
+        if view not in names or base not in names:
+            raise ScheduleError(f"kernel {k.name}: alias {view} -> {base} names unknown tensors")
+    for s in k.stages:
+        where = f"kernel {k.name}, stage {s.name} ({s.kind})"
+        try:
+            _check_stage(s, names, k.num_cores, k.sp_capacity)
+        except ScheduleError as e:
+            raise ScheduleError(f"{where}: {e}\n{format_stage(s, names, max_steps=2)}") from None
+        for op in s.inputs:
+            base = alias_of.get(op.tensor, op.tensor)
+            if op.tensor not in written and base not in written:
+                raise ScheduleError(f"{where}: reads {op.tensor} before any stage writes it")
+        written.add(s.output.tensor)
+        for view, base in k.aliases:
+            if base in written:
+                written.add(view)
+    for o in k.outputs:
+        if o not in written and alias_of.get(o, o) not in written:
+            raise ScheduleError(f"kernel {k.name}: output {o} is never written")
+
+
+def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int) -> None:
+    bufs = sorted(s.scratch, key=lambda b: b.offset)
+    for a, b in zip(bufs, bufs[1:], strict=False):
+        if a.end > b.offset:
+            raise ScheduleError(f"scratchpad buffers {a.name} and {b.name} overlap")
+    for b in bufs:
+        if b.offset % 128 or b.slot_bytes % 128:
+            raise ScheduleError(f"scratchpad buffer {b.name} is not stick-aligned")
+        need = math.prod(b.block) * DTYPES[b.dtype]
+        if need > b.slot_bytes:
+            raise ScheduleError(f"scratchpad buffer {b.name} holds {b.slot_bytes} B < {need} B")
+    if cap and s.sp_peak_bytes > cap:
+        raise ScheduleError(f"scratchpad plan {s.sp_peak_bytes} B exceeds usable {cap} B")
+    ops = (*s.inputs, s.output)
+    nblocks = []
+    for op in ops:
+        if op.tensor not in names:
+            raise ScheduleError(f"operand names unknown tensor {op.tensor}")
+        dev = names[op.tensor].layout.device_shape
+        if len(op.block) != len(dev) or len(op.grid_dims) != len(dev):
+            raise ScheduleError(f"operand {op.tensor}: block rank does not match {dev}")
+        for d, b, g in zip(dev, op.block, op.grid_dims, strict=True):
+            if b <= 0 or d % b:
+                raise ScheduleError(f"operand {op.tensor}: block {op.block} does not tile {dev}")
+            if g >= 0 and (g >= len(s.grid) or d // b != s.grid[g]):
+                raise ScheduleError(f"operand {op.tensor}: grid axis {g} does not match {dev}")
+            if g < 0 and b != d:
+                raise ScheduleError(f"operand {op.tensor}: untiled dim must be a full block")
+        if op.sp not in {b.name for b in s.scratch}:
+            raise ScheduleError(f"operand {op.tensor} names unknown scratchpad buffer {op.sp}")
+        nblocks.append(math.prod(blocks_of(dev, op.block)))
+    T = s.steps
+    if not (len(s.loads) == len(s.ring) == len(s.first) == len(s.last) == T):
+        raise ScheduleError("step tables have different lengths")
+    stored: set[int] = set()
+    for t in range(T):
+        for i, op in enumerate(s.inputs):
+            row, rrow = s.loads[t][i], s.ring[t][i]
+            if len(row) != ncores or len(rrow) != ncores:
+                raise ScheduleError(f"step {t}: table row is not one entry per core")
+            for c in range(ncores):
+                if row[c] >= nblocks[i]:
+                    raise ScheduleError(f"step {t} core {c}: block {row[c]} out of range")
+                src = rrow[c]
+                if src >= 0:
+                    if row[c] >= 0:
+                        raise ScheduleError(f"step {t} core {c}: both loads and receives")
+                    if not 0 <= src < ncores or row[src] < 0:
+                        raise ScheduleError(
+                            f"step {t} core {c}: ring source {src} loads nothing this step"
+                        )
+        for c in range(ncores):
+            blk = s.stores[t][c]
+            if blk >= 0:
+                if blk >= nblocks[-1]:
+                    raise ScheduleError(f"step {t} core {c}: store block {blk} out of range")
+                if blk in stored:
+                    raise ScheduleError(f"output block {blk} is stored twice")
+                stored.add(blk)
+    if len(stored) != nblocks[-1]:
+        raise ScheduleError(f"stores cover {len(stored)} of {nblocks[-1]} output blocks")
+
+
+# --------------------------------------------------------------------------------------------
+# printer
+
+
+def _fmt_body(body: tuple[tuple[str, str, Any], ...]) -> list[str]:
+    out = []
+    for unit, op, params in body:
+        out.append(f"      {unit:<3} {op} {_short(params)}")
+    return out
+
+
+def _short(p: Any, limit: int = 160) -> str:
+    s = repr(p) if not isinstance(p, str) else p
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> str:
+    """Readable text of one stage: buffers, body and the first steps' per-core programs."""
+    lines = [
+        f"  stage {s.name}: {s.kind} grid={list(s.grid)} steps={s.steps}"
+        + (f" reduce_axis={s.reduce_axis}" if s.reduce_axis >= 0 else "")
+        + (f"   # {s.source}" if s.source else "")
+    ]
+    for b in s.scratch:
+        lines.append(
+            f"    sp {b.name:<8} @0x{b.offset:06x} {b.slots}x{b.slot_bytes}B "
+            f"{b.dtype}{list(b.block)}"
+        )
+    for op in s.inputs:
+        lines.append(f"    in  {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}")
+    op = s.output
+    lines.append(f"    out {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}")
+    lines.append("    body:")
+    lines.extend(_fmt_body(s.body))
+    ncores = len(s.stores[0]) if s.stores else 0
+    for t in range(min(s.steps, max_steps)):
+        lines.append(f"    step {t}:" + (" first" if s.first[t] else "") + (" last" if s.last[t] else ""))
+        for c in range(ncores):
+            parts = []
+            for i, op in enumerate(s.inputs):
+                if s.loads[t][i][c] >= 0:
+                    parts.append(f"LOAD {op.tensor}#{s.loads[t][i][c]}->{op.sp}")
+                elif s.ring[t][i][c] >= 0:
+                    parts.append(f"RING {op.tensor}<-core{s.ring[t][i][c]}")
+            if s.stores[t][c] >= 0:
+                parts.append(f"STORE {s.output.sp}->{s.output.tensor}#{s.stores[t][c]}")
+            if parts or c < 2:
+                lines.append(f"      core {c:2d}: " + ("; ".join(parts) if parts else "idle"))
+    if s.steps > max_steps:
+        lines.append(f"    ... {s.steps - max_steps} more steps")
+    return "\n".join(lines)
+
+
+def format_kernel(k: Kernel, max_steps: int = 2) -> str:
+    """The whole kernel as text (what ``Lowered.as_text()`` shows)."""
+    names = {t.name: t for t in k.tensors}
+    lines = [f"kernel {k.name} cores={k.num_cores} scratchpad_usable={k.sp_capacity}B"]
+    for t in k.tensors:
+        lines.append(f"  {t.role:<6} {t.name}: {t.layout}")
+    for view, base in k.aliases:
+        lines.append(f"  alias  {view} = view of {base}")
+    for s in k.stages:
+        lines.append(format_stage(s, names, max_steps))
+    lines.append(f"  outputs: {', '.join(k.outputs)}")
+    return "\n".join(lines)

@@ -1,0 +1,117 @@
+"""Stick layouts: how a logical tensor lies in device memory.
+
+A tensor on the card is stored row-major with its last dimension as the *stick dimension*: that
+dimension is split into 128-byte sticks and padded to a whole number of them (CARD.md, "Sticks
+and layout"). A rank-0 tensor takes one stick. The record mirrors torch-spyre's: ``device_size``
+splits the stick dimension into (sticks, elements per stick) and ``stride_map`` gives each device
+dimension's stride in the logical (unpadded, row-major) tensor, -1 for none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DTYPES", "TensorLayout", "layout_for", "np_dtype", "check_dtype", "SUPPORTED_DTYPES"]
+
+#: Device dtypes and their item sizes in bytes. bool is stored one byte per element.
+DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(DTYPES)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def np_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype for a device dtype name (bfloat16 via ml_dtypes, as JAX uses)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def check_dtype(dtype: str, what: str = "tensor") -> str:
+    """Return ``dtype`` if the card supports it, else raise TypeError listing the supported ones."""
+    if dtype not in DTYPES:
+        raise TypeError(
+            f"spyre: {what} has dtype {dtype}, which the card does not support; "
+            f"supported dtypes: {', '.join(SUPPORTED_DTYPES)}"
+        )
+    return dtype
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """A logical shape and dtype with its padded device shape (last dim padded to sticks)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device_shape: tuple[int, ...]
+    stick_bytes: int = 128
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def elems_per_stick(self) -> int:
+        return self.stick_bytes // self.itemsize
+
+    @property
+    def stick_dim(self) -> int:
+        """Index of the stick dimension in the logical shape (-1 for a rank-0 tensor)."""
+        return len(self.shape) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor occupies in device memory, padding included."""
+        return math.prod(self.device_shape) * self.itemsize
+
+    @property
+    def logical_bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.nbytes - self.logical_bytes
+
+    @property
+    def num_sticks(self) -> int:
+        return self.nbytes // self.stick_bytes
+
+    @property
+    def device_size(self) -> tuple[int, ...]:
+        """torch-spyre style: (leading dims..., sticks, elements per stick)."""
+        last = self.device_shape[-1]
+        return (*self.device_shape[:-1], last // self.elems_per_stick, self.elems_per_stick)
+
+    @property
+    def stride_map(self) -> tuple[int, ...]:
+        """Stride of each ``device_size`` dim in the logical row-major tensor (-1: none)."""
+        if not self.shape:
+            return (-1, 1)
+        strides = []
+        acc = 1
+        for d in reversed(self.shape):
+            strides.append(acc)
+            acc *= d
+        strides.reverse()
+        return (*strides[:-1], self.elems_per_stick, 1)
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        return f"{self.dtype}[{dims}] sticks@dim{self.stick_dim} device{list(self.device_shape)}"
+
+
+def layout_for(shape: tuple[int, ...], dtype: str, stick_bytes: int = 128) -> TensorLayout:
+    """The canonical stick layout of a tensor: row-major, last dim padded to whole sticks."""
+    check_dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    eps = stick_bytes // DTYPES[dtype]
+    if not shape:
+        dev = (eps,)
+    else:
+        last = max(shape[-1], 1)
+        dev = (*shape[:-1], -(-last // eps) * eps)
+    return TensorLayout(shape, dtype, dev, stick_bytes)

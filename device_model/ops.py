@@ -1,0 +1,455 @@
+"""What the compute units do: the semantics of stage bodies, written once for NumPy and JAX.
+
+Every function here takes ``xp`` (``numpy`` or ``jax.numpy``) and works on tiles with a leading
+core axis ``[cores, *block]``. The vectorized card model calls them with ``jax.numpy`` on all 32
+cores at once; the reference evaluator calls them with ``numpy`` one core at a time. One
+definition, two executions: that is what keeps the two in agreement.
+
+Precision model (see also ``device_model.numerics``): tiles are widened on the way out of the
+scratchpad to the compute type (fp32 for floating types, int32 for integers, bool); PE products
+accumulate in fp32; an SFU chain (a fused map body) keeps its intermediates in fp32 and rounds only
+where the program says ``convert`` to a narrower float, and when the result is written back to the
+scratchpad in the output's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .layout import FLOAT_DTYPES, np_dtype
+
+__all__ = [
+    "InputView",
+    "MapBody",
+    "MatmulBody",
+    "GatherBody",
+    "ReshapeBody",
+    "ConcatBody",
+    "ELEMENTWISE",
+    "TRANSCENDENTAL",
+    "compute_dtype",
+    "widen",
+    "narrow",
+    "run_map",
+    "run_matmul_step",
+    "fit",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# body records (frozen, hashable: they are part of the schedule IR)
+
+
+@dataclass(frozen=True, slots=True)
+class InputView:
+    """How a map reads one input: per input dim, the space dim it feeds and how.
+
+    ``dims[j]``: space dim fed by input dim j, or -1 when the dim is dropped (it must then be read
+    at the single index ``starts[j]``). ``bcast[j]``: the input contributes only index
+    ``starts[j]`` along j, broadcast over the space dim. Otherwise element i of the space dim
+    reads index ``starts[j] + i * strides[j]`` of the input dim.
+    """
+
+    dims: tuple[int, ...]
+    starts: tuple[int, ...]
+    strides: tuple[int, ...]
+    bcast: tuple[bool, ...]
+
+    @staticmethod
+    def identity(rank: int) -> InputView:
+        return InputView(tuple(range(rank)), (0,) * rank, (1,) * rank, (False,) * rank)
+
+    def is_plain(self, j: int) -> bool:
+        """Input dim j is read one-to-one (a candidate for tiling)."""
+        return self.dims[j] >= 0 and not self.bcast[j] and self.starts[j] == 0 and self.strides[j] == 1
+
+
+@dataclass(frozen=True, slots=True)
+class MapBody:
+    """A fused SFU chain over an iteration space, with an optional reduction at the end.
+
+    ``program`` is a tuple of ``(op, args, param, dtype)``; registers 0..n_inputs-1 are the
+    inputs (after their views), each op appends one register, the last is the result. ``dtype``
+    is the op's logical result dtype. ``reduce`` is "", or one of sum, max, min, prod, argmax,
+    argmin (over ``reduce_axes``; argmax/argmin over one axis) or cumsum/cumsum_rev (one axis,
+    shape kept).
+    """
+
+    space: tuple[int, ...]
+    views: tuple[InputView, ...]
+    program: tuple[tuple[str, tuple[int, ...], Any, str], ...]
+    reduce: str
+    reduce_axes: tuple[int, ...]
+    out_dtype: str
+
+    def out_space_dims(self) -> tuple[int, ...]:
+        """The space dims the output keeps, in order."""
+        if self.reduce in ("", "cumsum", "cumsum_rev"):
+            return tuple(range(len(self.space)))
+        return tuple(d for d in range(len(self.space)) if d not in self.reduce_axes)
+
+    def __str__(self) -> str:
+        n = len(self.views)
+        regs = [f"in{i}" for i in range(n)]
+        parts = []
+        for k, (op, args, param, dt) in enumerate(self.program):
+            a = ",".join(regs[i] for i in args)
+            ptxt = f"[{param}]" if param is not None and param != () else ""
+            parts.append(f"r{k}={op}{ptxt}({a}):{dt}")
+            regs.append(f"r{k}")
+        red = f" then {self.reduce}{list(self.reduce_axes)}" if self.reduce else ""
+        return f"space={list(self.space)} " + "; ".join(parts) + red + f" -> {self.out_dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulBody:
+    """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32, rounded on the last step."""
+
+    k_logical: int
+    out_dtype: str
+
+    def __str__(self) -> str:
+        return f"acc += lhs @ rhs (fp32, K={self.k_logical}); last: acc -> {self.out_dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class GatherBody:
+    """Load-unit program: rows ``table[idx[i]]`` fetched by index from device memory.
+
+    mode "clip" clamps indices into range; "fill" gives NaN (0 for integers) for out-of-range rows.
+    """
+
+    table: str
+    num_rows: int
+    mode: str
+
+    def __str__(self) -> str:
+        return f"indirect load rows of {self.table} (V={self.num_rows}, mode={self.mode})"
+
+
+@dataclass(frozen=True, slots=True)
+class ReshapeBody:
+    """Data movement: rows of length ``l_in`` regrouped into rows of length ``l_out``."""
+
+    l_in: int
+    l_out: int
+
+    def __str__(self) -> str:
+        return f"regroup rows {self.l_in} -> {self.l_out}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConcatBody:
+    """Data movement: the inputs' blocks joined along ``axis`` (logical sizes ``sizes``)."""
+
+    axis: int
+    sizes: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"concatenate along {self.axis} sizes {list(self.sizes)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes
+
+
+def compute_dtype(dtype: str) -> str:
+    """The type a unit computes in for a tensor dtype."""
+    if dtype in FLOAT_DTYPES:
+        return "float32"
+    return dtype
+
+
+def widen(xp: Any, x: Any, dtype: str) -> Any:
+    """Scratchpad tile -> compute type."""
+    return x.astype(np_dtype(compute_dtype(dtype)))
+
+
+def narrow(xp: Any, x: Any, dtype: str) -> Any:
+    """Compute type -> the dtype stored (round to nearest even for floats, as a cast does)."""
+    if dtype == "bool":
+        return x != 0 if x.dtype != np.bool_ else x
+    if dtype == "int32" and x.dtype.kind == "f":
+        return xp.trunc(x).astype(np.int32)
+    return x.astype(np_dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise ops: name -> fn(xp, *args, param)
+
+
+def _erf(xp: Any, x: Any) -> Any:
+    if xp is np:
+        return np.vectorize(math.erf, otypes=[np.float32])(x).astype(np.float32)
+    import jax.scipy.special as jss
+
+    return jss.erf(x)
+
+
+def _round_half_even(xp: Any, x: Any) -> Any:
+    return xp.round(x)
+
+
+def _round_away(xp: Any, x: Any) -> Any:
+    return xp.sign(x) * xp.floor(xp.abs(x) + 0.5)
+
+
+def _convert(xp: Any, x: Any, to: str) -> Any:
+    src_kind = x.dtype.kind
+    if to == "bool":
+        return x != 0
+    if to == "int32":
+        if src_kind == "f":
+            return xp.trunc(x).astype(np.int32)
+        return x.astype(np.int32)
+    # to a float type: round to that type's precision, then compute in fp32 again
+    y = x.astype(np.float32)
+    if to != "float32":
+        y = y.astype(np_dtype(to)).astype(np.float32)
+    return y
+
+
+def _int_pow(xp: Any, x: Any, y: int) -> Any:
+    if y == 0:
+        return xp.ones_like(x)
+    neg = y < 0
+    y = abs(y)
+    acc = None
+    base = x
+    while y:
+        if y & 1:
+            acc = base if acc is None else acc * base
+        y >>= 1
+        if y:
+            base = base * base
+    return (1 / acc) if neg else acc
+
+
+def _div(xp: Any, a: Any, b: Any) -> Any:
+    if a.dtype.kind in "iu":
+        # C-style integer division (truncation toward zero), as lax.div
+        q = xp.abs(a) // xp.where(b == 0, 1, xp.abs(b))
+        return xp.where((a < 0) ^ (b < 0), -q, q).astype(a.dtype)
+    return a / b
+
+
+def _rem(xp: Any, a: Any, b: Any) -> Any:
+    if a.dtype.kind in "iu":
+        r = xp.abs(a) % xp.where(b == 0, 1, xp.abs(b))
+        return xp.where(a < 0, -r, r).astype(a.dtype)
+    return xp.fmod(a, b)
+
+
+def _max(xp: Any, a: Any, b: Any) -> Any:
+    # lax.max propagates NaN
+    return xp.maximum(a, b)
+
+
+def _min(xp: Any, a: Any, b: Any) -> Any:
+    return xp.minimum(a, b)
+
+
+def _select(xp: Any, pred: Any, *cases: Any) -> Any:
+    if len(cases) == 2:
+        return xp.where(pred.astype(bool) if pred.dtype == np.bool_ else pred != 0, cases[1], cases[0])
+    out = cases[0]
+    for i, c in enumerate(cases[1:], start=1):
+        out = xp.where(pred == i, c, out)
+    return out
+
+
+def _const(xp: Any, value: Any, dtype: str) -> Any:
+    cd = np_dtype(compute_dtype(dtype))
+    v = np.asarray(value).astype(np_dtype(dtype)).astype(cd) if dtype in FLOAT_DTYPES else value
+    return xp.asarray(v, dtype=cd)
+
+
+#: name -> (fn(xp, *args, param), arity). Arity -1: variadic (select_n).
+ELEMENTWISE: dict[str, tuple[Any, int]] = {
+    "neg": (lambda xp, a, p: -a, 1),
+    "abs": (lambda xp, a, p: xp.abs(a), 1),
+    "sign": (lambda xp, a, p: xp.sign(a), 1),
+    "floor": (lambda xp, a, p: xp.floor(a), 1),
+    "ceil": (lambda xp, a, p: xp.ceil(a), 1),
+    "round": (lambda xp, a, p: _round_half_even(xp, a) if p == 1 else _round_away(xp, a), 1),
+    "exp": (lambda xp, a, p: xp.exp(a), 1),
+    "exp2": (lambda xp, a, p: xp.exp2(a), 1),
+    "log": (lambda xp, a, p: xp.log(a), 1),
+    "log1p": (lambda xp, a, p: xp.log1p(a), 1),
+    "expm1": (lambda xp, a, p: xp.expm1(a), 1),
+    "sqrt": (lambda xp, a, p: xp.sqrt(a), 1),
+    "rsqrt": (lambda xp, a, p: 1 / xp.sqrt(a), 1),
+    "tanh": (lambda xp, a, p: xp.tanh(a), 1),
+    "logistic": (lambda xp, a, p: 1 / (1 + xp.exp(-a)), 1),
+    "erf": (lambda xp, a, p: _erf(xp, a), 1),
+    "sin": (lambda xp, a, p: xp.sin(a), 1),
+    "cos": (lambda xp, a, p: xp.cos(a), 1),
+    "square": (lambda xp, a, p: a * a, 1),
+    "integer_pow": (lambda xp, a, p: _int_pow(xp, a, p), 1),
+    "not": (lambda xp, a, p: ~a if a.dtype == np.bool_ else ~a, 1),
+    "is_finite": (lambda xp, a, p: xp.isfinite(a), 1),
+    "convert": (lambda xp, a, p: _convert(xp, a, p), 1),
+    "copy": (lambda xp, a, p: a, 1),
+    "add": (lambda xp, a, b, p: a + b, 2),
+    "sub": (lambda xp, a, b, p: a - b, 2),
+    "mul": (lambda xp, a, b, p: a * b, 2),
+    "div": (lambda xp, a, b, p: _div(xp, a, b), 2),
+    "rem": (lambda xp, a, b, p: _rem(xp, a, b), 2),
+    "pow": (lambda xp, a, b, p: xp.power(a, b), 2),
+    "max": (lambda xp, a, b, p: _max(xp, a, b), 2),
+    "min": (lambda xp, a, b, p: _min(xp, a, b), 2),
+    "atan2": (lambda xp, a, b, p: xp.arctan2(a, b), 2),
+    "and": (lambda xp, a, b, p: a & b, 2),
+    "or": (lambda xp, a, b, p: a | b, 2),
+    "xor": (lambda xp, a, b, p: a ^ b, 2),
+    "eq": (lambda xp, a, b, p: a == b, 2),
+    "ne": (lambda xp, a, b, p: a != b, 2),
+    "lt": (lambda xp, a, b, p: a < b, 2),
+    "le": (lambda xp, a, b, p: a <= b, 2),
+    "gt": (lambda xp, a, b, p: a > b, 2),
+    "ge": (lambda xp, a, b, p: a >= b, 2),
+    "select_n": (lambda xp, *a: _select(xp, *a[:-1]), -1),
+}
+
+#: ops the SFU evaluates with several passes (for the timing model)
+TRANSCENDENTAL = frozenset(
+    {"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "erf", "sin",
+     "cos", "pow", "atan2", "div"}
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# tile helpers
+
+
+def fit(xp: Any, x: Any, shape: tuple[int, ...], lead: int = 1) -> Any:
+    """Slice or zero-pad ``x`` (with ``lead`` leading axes untouched) to ``shape``."""
+    cur = x.shape[lead:]
+    if tuple(cur) == tuple(shape):
+        return x
+    idx = (slice(None),) * lead + tuple(slice(0, min(c, s)) for c, s in zip(cur, shape, strict=True))
+    x = x[idx]
+    pads = [(0, 0)] * lead + [(0, max(0, s - c)) for c, s in zip(cur, shape, strict=True)]
+    if any(p[1] for p in pads):
+        x = xp.pad(x, pads)
+    return x
+
+
+def view_tile(xp: Any, x: Any, view: InputView, space_block: tuple[int, ...]) -> Any:
+    """An input tile ``[C, *in_block]`` seen in the space block's dims ``[C, *space_block]``.
+
+    Dims read one-to-one are fit to the space block (which slices stick padding off); broadcast
+    dims become size 1 and array broadcasting does the rest.
+    """
+    idx: list[Any] = [slice(None)]
+    kept: list[tuple[int, bool]] = []  # (space dim, broadcast?) per kept input dim
+    for j in range(len(view.dims)):
+        g = view.dims[j]
+        if g < 0:
+            idx.append(view.starts[j])
+        elif view.bcast[j]:
+            idx.append(slice(view.starts[j], view.starts[j] + 1))
+            kept.append((g, True))
+        elif view.starts[j] != 0 or view.strides[j] != 1:
+            n = space_block[g]
+            stop = view.starts[j] + (n - 1) * view.strides[j] + 1
+            idx.append(slice(view.starts[j], stop, view.strides[j]))
+            kept.append((g, False))
+        else:
+            idx.append(slice(None))
+            kept.append((g, False))
+    x = x[tuple(idx)]
+    order = sorted(range(len(kept)), key=lambda i: kept[i][0])
+    if order != list(range(len(kept))):
+        x = xp.transpose(x, (0, *[1 + i for i in order]))
+    by_space = {kept[i][0]: (pos, kept[i][1]) for pos, i in enumerate(order)}
+    shape = [x.shape[0]]
+    target = []
+    for g in range(len(space_block)):
+        if g in by_space:
+            pos, bc = by_space[g]
+            shape.append(x.shape[1 + pos])
+            target.append(1 if bc else space_block[g])
+        else:
+            shape.append(1)
+            target.append(1)
+    x = x.reshape(shape)
+    return fit(xp, x, tuple(target))
+
+
+def run_program(xp: Any, body: MapBody, inputs: list[Any]) -> Any:
+    """Evaluate a map body's program on input tiles already seen in space dims."""
+    regs = list(inputs)
+    for op, args, param, dtype in body.program:
+        if op == "const":
+            regs.append(_const(xp, param, dtype))
+            continue
+        fn, arity = ELEMENTWISE[op]
+        a = [regs[i] for i in args]
+        regs.append(fn(xp, *a, param))
+        r = regs[-1]
+        want = np_dtype(compute_dtype(dtype))
+        if hasattr(r, "dtype") and r.dtype != want:
+            regs[-1] = r.astype(want)
+    return regs[-1]
+
+
+def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
+    ax = tuple(1 + a for a in axes)
+    if kind == "sum":
+        return xp.sum(x, axis=ax, dtype=x.dtype)
+    if kind == "prod":
+        return xp.prod(x, axis=ax, dtype=x.dtype)
+    if kind == "max":
+        return xp.max(x, axis=ax)
+    if kind == "min":
+        return xp.min(x, axis=ax)
+    if kind in ("argmax", "argmin"):
+        (a,) = ax
+        f = xp.argmax if kind == "argmax" else xp.argmin
+        return f(x, axis=a).astype(np.int32)
+    if kind in ("cumsum", "cumsum_rev"):
+        (a,) = ax
+        if kind == "cumsum_rev":
+            return xp.flip(xp.cumsum(xp.flip(x, axis=a), axis=a, dtype=x.dtype), axis=a)
+        return xp.cumsum(x, axis=a, dtype=x.dtype)
+    raise ValueError(f"unknown reduction {kind}")
+
+
+def run_map(
+    xp: Any, body: MapBody, tiles: list[Any], in_dtypes: list[str], space_block: tuple[int, ...]
+) -> Any:
+    """A map stage's compute on one step: input tiles -> output tile (compute type, space dims)."""
+    seen = [
+        view_tile(xp, widen(xp, t, dt), v, space_block)
+        for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True)
+    ]
+    r = run_program(xp, body, seen)
+    c = tiles[0].shape[0] if tiles else 1
+    r = xp.broadcast_to(r, (c, *space_block)) if r.shape != (c, *space_block) else r
+    if body.reduce:
+        r = _reduce(xp, r, body.reduce, body.reduce_axes)
+    return r
+
+
+def run_matmul_step(xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any) -> Any:
+    """One PE step on ``[C, 1, tm, tk]`` x ``[C, 1, tk, tn]`` tiles: fp32 ``acc + lhs @ rhs``.
+
+    The lhs tile may carry stick padding along K beyond the rhs block's K; it is sliced off.
+    ``first`` (a Python bool, or a traced one) starts the accumulator from zero.
+    """
+    k = rhs.shape[2]
+    a = lhs[..., :k].astype(np.float32)
+    b = rhs.astype(np.float32)
+    prod = xp.einsum("cbmk,cbkn->cbmn", a, b)
+    if isinstance(first, bool | np.bool_):
+        return prod if first else acc + prod
+    return xp.where(first, prod, acc + prod)
+
+
+def is_float(dtype: str) -> bool:
+    return dtype in FLOAT_DTYPES

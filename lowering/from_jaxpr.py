@@ -1,0 +1,464 @@
+"""Import a jaxpr into the graph IR: one registry from JAX primitive to lowering rule.
+
+Rules are registered with ``@rule("name", ...)`` next to their bodies. A rule gets the builder,
+the equation and its operands (``Var`` or :class:`Lit` for scalar literals) and returns the
+output ``Var`` s. Nested ``jit``/``pjit``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined.
+A primitive with no rule raises :class:`UnsupportedPrimitiveError` naming it, with the equation
+and the user's source line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jcore
+
+from device_model.layout import check_dtype
+
+from .errors import LoweringError, UnsupportedPrimitiveError
+from .graph import Graph, Node, Var, params
+
+__all__ = ["from_jaxpr", "RULES", "Lit", "rule", "user_source_line"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lit:
+    """A scalar literal operand (folded into the consuming op as an immediate)."""
+
+    value: Any
+    dtype: str
+
+
+class Builder:
+    """Collects nodes and constants while a jaxpr is imported."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.consts: list[tuple[Var, np.ndarray]] = []
+        self.source = ""
+
+    def emit(self, op: str, inputs: list[Var], shape: tuple[int, ...], dtype: str,
+             **kw: Any) -> Var:
+        out = Var(tuple(int(d) for d in shape), dtype)
+        self.nodes.append(Node(op, tuple(inputs), (out,), params(**kw), self.source))
+        return out
+
+    def const(self, value: Any, dtype: str | None = None) -> Var:
+        arr = np.asarray(value)
+        dt = dtype or _dtype_name(arr.dtype)
+        v = Var(tuple(arr.shape), dt)
+        self.consts.append((v, arr))
+        return v
+
+    def as_var(self, x: Var | Lit, shape: tuple[int, ...] = ()) -> Var:
+        """A Var for an operand: literals become broadcast constants of ``shape``."""
+        if isinstance(x, Var):
+            if x.shape != tuple(shape) and x.shape == ():
+                return self.emit("broadcast", [x], shape, x.dtype, shape=tuple(shape), dims=())
+            return x
+        return self.elementwise("copy", [x], tuple(shape), x.dtype)
+
+    def elementwise(self, fn: str, args: list[Var | Lit], shape: tuple[int, ...], dtype: str,
+                    param: Any = None) -> Var:
+        vars_: list[Var] = []
+        scalars = []
+        for pos, a in enumerate(args):
+            if isinstance(a, Lit):
+                scalars.append((pos, a.value, a.dtype))
+            elif a.shape != tuple(shape):
+                vars_.append(self.emit("broadcast", [a], shape, a.dtype, shape=tuple(shape),
+                                       dims=()) if a.shape == () else a)
+            else:
+                vars_.append(a)
+        if not vars_:
+            # all operands are literals: broadcast the first into a var of the right shape
+            v0 = self.const(np.full(shape, args[0].value), args[0].dtype)  # type: ignore[union-attr]
+            vars_.append(v0)
+            scalars = [(p, v, d) for p, v, d in scalars if p != 0]
+        return self.emit("elementwise", vars_, shape, dtype, fn=fn, scalars=tuple(scalars),
+                         param=param)
+
+    def reshape(self, x: Var, shape: tuple[int, ...]) -> Var:
+        shape = tuple(int(d) for d in shape)
+        if x.shape == shape:
+            return x
+        return self.emit("reshape", [x], shape, x.dtype, shape=shape)
+
+    def transpose(self, x: Var, perm: tuple[int, ...]) -> Var:
+        perm = tuple(int(p) for p in perm)
+        if perm == tuple(range(len(perm))):
+            return x
+        return self.emit("transpose", [x], tuple(x.shape[p] for p in perm), x.dtype, perm=perm)
+
+
+Rule = Callable[[Builder, Any, list[Any]], list[Var]]
+RULES: dict[str, Rule] = {}
+
+
+def rule(*names: str) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for n in names:
+            RULES[n] = fn
+        return fn
+
+    return deco
+
+
+def _dtype_name(dt: Any) -> str:
+    name = np.dtype(dt).name
+    return check_dtype(name, "a value in the traced program")
+
+
+def _aval(v: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in v.aval.shape), _dtype_name(v.aval.dtype)
+
+
+_SKIP_DIRS = tuple(
+    os.sep + d + os.sep for d in ("jax", "jaxlib", "equinox", "lowering", "spyre_jax",
+                                  "device_model", "torch_bridge", "contextlib", "functools")
+)
+
+
+def user_source_line(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost frame outside JAX, equinox and this project."""
+    tb = getattr(source_info, "traceback", None)
+    frames = getattr(tb, "frames", None) or []
+    for f in frames:
+        fname = f.file_name
+        if any(s in fname for s in _SKIP_DIRS) or fname.startswith("<frozen"):
+            continue
+        return f"{fname}:{f.line_num} ({f.function_name})"
+    if frames:
+        f = frames[0]
+        return f"{f.file_name}:{f.line_num} ({f.function_name})"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# the importer loop
+
+
+def from_jaxpr(closed: Any, name: str = "main") -> Graph:
+    """Import a ``ClosedJaxpr`` (from ``jax.make_jaxpr``) into a :class:`Graph`."""
+    b = Builder()
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = {}
+    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[v] = b.const(np.asarray(c), _aval(v)[1])
+    inputs = []
+    for v in jaxpr.invars:
+        shape, dt = _aval(v)
+        var = Var(shape, dt)
+        env[v] = var
+        inputs.append(var)
+    outs = _run(b, jaxpr, env)
+    outputs = []
+    for o in outs:
+        if isinstance(o, Lit):
+            o = b.const(np.asarray(o.value, dtype=o.dtype), o.dtype)
+        outputs.append(o)
+    return Graph(name, tuple(inputs), tuple(b.nodes), tuple(outputs), tuple(b.consts))
+
+
+def _read(env: dict[Any, Any], x: Any) -> Any:
+    if isinstance(x, jcore.Literal):
+        val = np.asarray(x.val)
+        dt = _dtype_name(x.aval.dtype)
+        if val.shape == ():
+            return Lit(val.item(), dt)
+        raise LoweringError(f"non-scalar literal {x}")
+    return env[x]
+
+
+def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
+    for eqn in jaxpr.eqns:
+        args = [_read(env, x) for x in eqn.invars]
+        name = eqn.primitive.name
+        fn = RULES.get(name)
+        where = user_source_line(eqn.source_info)
+        if fn is None:
+            raise UnsupportedPrimitiveError("JAX", name, _eqn_text(eqn), where,
+                                            _eqn_context(jaxpr, eqn))
+        saved = b.source
+        b.source = where
+        try:
+            outs = fn(b, eqn, args)
+        finally:
+            b.source = saved
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            env[v] = o
+    return [_read(env, x) for x in jaxpr.outvars]
+
+
+def _eqn_text(eqn: Any) -> str:
+    try:
+        return str(eqn).strip().replace("\n", " ")[:400]
+    except Exception:  # pragma: no cover - printing never fails in practice
+        return eqn.primitive.name
+
+
+def _eqn_context(jaxpr: Any, eqn: Any, radius: int = 2) -> str:
+    eqns = list(jaxpr.eqns)
+    i = next(k for k, e in enumerate(eqns) if e is eqn)
+    lines = []
+    for k in range(max(0, i - radius), min(len(eqns), i + radius + 1)):
+        mark = ">>" if k == i else "  "
+        lines.append(f"    {mark} {_eqn_text(eqns[k])[:160]}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: calls (inlined)
+
+
+def _inline(b: Builder, closed: Any, args: list[Any]) -> list[Any]:
+    inner = closed.jaxpr if hasattr(closed, "jaxpr") and hasattr(closed, "consts") else closed
+    consts = getattr(closed, "consts", [])
+    env: dict[Any, Any] = {}
+    for v, c in zip(inner.constvars, consts, strict=True):
+        env[v] = b.const(np.asarray(c), _aval(v)[1])
+    for v, a in zip(inner.invars, args, strict=True):
+        env[v] = a
+    return _run(b, inner, env)
+
+
+@rule("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
+def _call(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    return _inline(b, eqn.params["jaxpr"], args)
+
+
+@rule("custom_jvp_call")
+def _custom_jvp(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    return _inline(b, eqn.params["call_jaxpr"], args)
+
+
+@rule("custom_vjp_call", "custom_vjp_call_jaxpr")
+def _custom_vjp(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    p = eqn.params
+    closed = p.get("call_jaxpr") or p.get("fun_jaxpr")
+    n = len(closed.jaxpr.invars)
+    return _inline(b, closed, args[-n:] if len(args) > n else args)
+
+
+@rule("stop_gradient", "copy", "copy_p", "optimization_barrier", "reduce_precision")
+def _identity(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    outs = []
+    for a, v in zip(args, eqn.outvars, strict=True):
+        outs.append(b.as_var(a, _aval(v)[0]) if isinstance(a, Lit) else a)
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: elementwise
+
+_UNARY = {
+    "neg": "neg", "abs": "abs", "sign": "sign", "floor": "floor", "ceil": "ceil",
+    "exp": "exp", "exp2": "exp2", "log": "log", "log1p": "log1p", "expm1": "expm1",
+    "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "logistic": "logistic", "erf": "erf",
+    "sin": "sin", "cos": "cos", "square": "square", "not": "not", "is_finite": "is_finite",
+}
+_BINARY = {
+    "add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "rem": "rem",
+    "pow": "pow", "max": "max", "min": "min", "atan2": "atan2", "and": "and", "or": "or",
+    "xor": "xor", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+}
+
+
+def _ew_rule(fn: str) -> Rule:
+    def r(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+        shape, dt = _aval(eqn.outvars[0])
+        return [b.elementwise(fn, args, shape, dt)]
+
+    return r
+
+
+for _p, _f in {**_UNARY, **_BINARY}.items():
+    RULES[_p] = _ew_rule(_f)
+
+
+@rule("select_n")
+def _select_n(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    return [b.elementwise("select_n", args, shape, dt)]
+
+
+@rule("clamp")
+def _clamp(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    lo, x, hi = args
+    shape, dt = _aval(eqn.outvars[0])
+    return [b.elementwise("min", [b.elementwise("max", [x, lo], shape, dt), hi], shape, dt)]
+
+
+@rule("integer_pow")
+def _integer_pow(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    return [b.elementwise("integer_pow", args, shape, dt, param=int(eqn.params["y"]))]
+
+
+@rule("round")
+def _round(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    method = int(eqn.params.get("rounding_method", 0))
+    return [b.elementwise("round", args, shape, dt, param=method)]
+
+
+@rule("convert_element_type")
+def _convert(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    (x,) = args
+    if isinstance(x, Lit):
+        return [b.elementwise("convert", [x], shape, dt, param=dt)]
+    if x.dtype == dt:
+        return [x]
+    return [b.emit("convert", [x], shape, dt, dtype=dt)]
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: layout and movement
+
+
+@rule("broadcast_in_dim")
+def _broadcast(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    (x,) = args
+    if isinstance(x, Lit):
+        return [b.elementwise("copy", [x], shape, dt)]
+    dims = tuple(int(d) for d in eqn.params["broadcast_dimensions"])
+    if x.shape == shape and dims == tuple(range(len(shape))):
+        return [x]
+    return [b.emit("broadcast", [x], shape, dt, shape=shape, dims=dims)]
+
+
+@rule("reshape")
+def _reshape(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, _ = _aval(eqn.outvars[0])
+    if eqn.params.get("dimensions") not in (None, ()):
+        raise LoweringError("reshape with dimensions= is not supported")
+    return [b.reshape(b.as_var(args[0]), shape)]
+
+
+@rule("squeeze", "expand_dims")
+def _squeeze(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, _ = _aval(eqn.outvars[0])
+    return [b.reshape(b.as_var(args[0]), shape)]
+
+
+@rule("transpose")
+def _transpose(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    return [b.transpose(args[0], tuple(eqn.params["permutation"]))]
+
+
+@rule("slice")
+def _slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    (x,) = args
+    st = tuple(int(s) for s in eqn.params["start_indices"])
+    li = tuple(int(s) for s in eqn.params["limit_indices"])
+    sd = tuple(int(s) for s in (eqn.params.get("strides") or (1,) * len(st)))
+    return [b.emit("slice", [x], shape, dt, starts=st, limits=li, strides=sd)]
+
+
+@rule("concatenate")
+def _concatenate(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    ax = int(eqn.params["dimension"])
+    vs = [b.as_var(a, tuple(_aval(v)[0])) for a, v in zip(args, eqn.invars, strict=True)]
+    return [b.emit("concatenate", vs, shape, dt, axis=ax)]
+
+
+@rule("iota")
+def _iota(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    dim = int(eqn.params["dimension"])
+    ar = np.arange(shape[dim]).reshape([-1 if i == dim else 1 for i in range(len(shape))])
+    return [b.const(np.broadcast_to(ar, shape).astype(dt), dt)]
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: reductions
+
+
+def _reduce_rule(kind: str) -> Rule:
+    def r(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+        shape, dt = _aval(eqn.outvars[0])
+        axes = tuple(sorted(int(a) for a in eqn.params["axes"]))
+        x = b.as_var(args[0])
+        if not axes:
+            return [x]
+        return [b.emit("reduce", [x], shape, dt, kind=kind, axes=axes)]
+
+    return r
+
+
+for _p, _k in {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+               "reduce_prod": "prod", "argmax": "argmax", "argmin": "argmin"}.items():
+    RULES[_p] = _reduce_rule(_k)
+
+
+@rule("cumsum")
+def _cumsum(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, dt = _aval(eqn.outvars[0])
+    kind = "cumsum_rev" if eqn.params.get("reverse") else "cumsum"
+    return [b.emit("reduce", [args[0]], shape, dt, kind=kind, axes=(int(eqn.params["axis"]),))]
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: matmul and gather
+
+
+@rule("dot_general")
+def _dot_general(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    out_shape, out_dt = _aval(eqn.outvars[0])
+    lhs, rhs = (b.as_var(a) for a in args)
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = (tuple(int(d) for d in t) for t in (lc, rc, lb, rb))
+    lf = tuple(d for d in range(len(lhs.shape)) if d not in lc and d not in lb)
+    rf = tuple(d for d in range(len(rhs.shape)) if d not in rc and d not in rb)
+    prod = lambda v, ds: int(np.prod([v.shape[d] for d in ds], dtype=np.int64))
+    bsz, m, k, n = prod(lhs, lb), prod(lhs, lf), prod(lhs, lc), prod(rhs, rf)
+    a = b.reshape(b.transpose(lhs, lb + lf + lc), (bsz, m, k))
+    c = b.reshape(b.transpose(rhs, rb + rc + rf), (bsz, k, n))
+    mm = b.emit("matmul", [a, c], (bsz, m, n), out_dt, dtype=out_dt)
+    return [b.reshape(mm, out_shape)]
+
+
+@rule("gather")
+def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    out_shape, dt = _aval(eqn.outvars[0])
+    table, idx = args
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    sizes = tuple(int(s) for s in p["slice_sizes"])
+    mode = str(p["mode"]).upper()
+    sim = tuple(int(d) for d in dn.start_index_map)
+    n_off = len(dn.offset_dims)
+    ok = (
+        isinstance(table, Var) and len(table.shape) >= 1 and sizes[0] == 1
+        and sizes[1:] == table.shape[1:] and 0 in sim and not dn.operand_batching_dims
+        and tuple(dn.offset_dims) == tuple(range(len(out_shape) - n_off, len(out_shape)))
+        and ("FILL" not in mode or sim == (0,))
+    )
+    if not ok:
+        raise LoweringError(
+            f"gather is supported for row lookups (embeddings: table[idx]); got {eqn.params}"
+        )
+    col = sim.index(0)
+    idx = b.as_var(idx)
+    lead = idx.shape[:-1]
+    ncols = idx.shape[-1]
+    if ncols != 1:
+        st = (0,) * (len(idx.shape) - 1) + (col,)
+        li = (*lead, col + 1)
+        idx = b.emit("slice", [idx], (*lead, 1), idx.dtype, starts=st, limits=li,
+                     strides=(1,) * len(idx.shape))
+    nrows = int(np.prod(lead, dtype=np.int64))
+    flat = b.reshape(idx, (nrows,))
+    width = int(np.prod(table.shape[1:], dtype=np.int64))
+    tab2 = b.reshape(table, (table.shape[0], width))
+    g = b.emit("gather", [tab2, flat], (nrows, width), dt,
+               mode="fill" if "FILL" in mode else "clip")
+    return [b.reshape(g, out_shape)]

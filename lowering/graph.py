@@ -1,0 +1,286 @@
+"""The frontend-neutral graph IR: a small op set both importers target.
+
+A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`Var` s. Ops:
+
+* ``elementwise`` (param ``fn``: a name from ``device_model.ops.ELEMENTWISE``; scalar operands
+  are immediates in ``scalars``), ``convert`` (``dtype``),
+* ``broadcast`` (``shape``, ``dims``: jax's broadcast_in_dim), ``transpose`` (``perm``),
+  ``slice`` (``starts``, ``limits``, ``strides``), ``reshape`` (``shape``), ``concatenate``
+  (``axis``) — the layout and movement ops,
+* ``reduce`` (``kind``: sum, max, min, prod, argmax, argmin, cumsum, cumsum_rev; ``axes``),
+* ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``,
+* ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
+* ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
+
+Every node keeps the user's source line. Graphs are frozen and hashable-by-identity; the printer
+and :func:`check_graph` are the two other consumers of the same structure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from device_model.layout import check_dtype
+from device_model.ops import ELEMENTWISE, MapBody
+
+__all__ = ["Var", "Node", "Graph", "GraphError", "check_graph", "format_graph", "infer"]
+
+_ids = itertools.count()
+
+
+class GraphError(ValueError):
+    """A graph that breaks an invariant (raised by :func:`check_graph`)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Var:
+    """A value: identity-hashed, with a shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __repr__(self) -> str:
+        return f"%{self.id}:{_ty(self)}"
+
+
+def _ty(v: Var) -> str:
+    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32", "bool": "bool"}
+    return f"{short.get(v.dtype, v.dtype)}[{','.join(map(str, v.shape))}]"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Node:
+    op: str
+    inputs: tuple[Var, ...]
+    outputs: tuple[Var, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    source: str = ""
+
+    def p(self, name: str, default: Any = None) -> Any:
+        for k, v in self.params:
+            if k == name:
+                return v
+        return default
+
+    @property
+    def out(self) -> Var:
+        return self.outputs[0]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Graph:
+    name: str
+    inputs: tuple[Var, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[Var, ...]
+    consts: tuple[tuple[Var, np.ndarray], ...] = ()
+
+    def __str__(self) -> str:
+        return format_graph(self)
+
+
+def params(**kw: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(kw.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# shape rules: op -> fn(node) -> list of (shape, dtype) for the outputs
+
+
+def infer(node: Node) -> list[tuple[tuple[int, ...], str]]:
+    """The output types an op gives for its inputs and params (raises GraphError if invalid)."""
+    rule = _RULES.get(node.op)
+    if rule is None:
+        raise GraphError(f"unknown op {node.op!r}")
+    return rule(node)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise GraphError(msg)
+
+
+def _r_elementwise(n: Node) -> list:
+    fn = n.p("fn")
+    _need(fn in ELEMENTWISE, f"unknown elementwise fn {fn!r}")
+    shapes = {v.shape for v in n.inputs}
+    _need(len(shapes) <= 1, f"elementwise inputs differ in shape: {sorted(shapes)}")
+    arity = ELEMENTWISE[fn][1]
+    nargs = len(n.inputs) + len(n.p("scalars", ()))
+    _need(arity < 0 or nargs == arity, f"{fn} takes {arity} operands, got {nargs}")
+    shape = n.inputs[0].shape if n.inputs else ()
+    return [(shape, n.p("dtype"))]
+
+
+def _r_convert(n: Node) -> list:
+    return [(n.inputs[0].shape, n.p("dtype"))]
+
+
+def _r_broadcast(n: Node) -> list:
+    (x,) = n.inputs
+    shape, dims = n.p("shape"), n.p("dims")
+    _need(len(dims) == len(x.shape), "broadcast dims do not match operand rank")
+    for d, s in zip(dims, x.shape, strict=True):
+        _need(s in (1, shape[d]), f"broadcast of dim size {s} to {shape[d]}")
+    return [(tuple(shape), x.dtype)]
+
+
+def _r_transpose(n: Node) -> list:
+    (x,) = n.inputs
+    perm = n.p("perm")
+    _need(sorted(perm) == list(range(len(x.shape))), f"bad permutation {perm}")
+    return [(tuple(x.shape[p] for p in perm), x.dtype)]
+
+
+def _r_slice(n: Node) -> list:
+    (x,) = n.inputs
+    st, li, sd = n.p("starts"), n.p("limits"), n.p("strides")
+    _need(len(st) == len(li) == len(sd) == len(x.shape), "slice params do not match rank")
+    out = []
+    for s, lim, d, size in zip(st, li, sd, x.shape, strict=True):
+        _need(0 <= s <= lim <= size and d >= 1, f"slice {s}:{lim}:{d} out of range {size}")
+        out.append(max(0, -(-(lim - s) // d)))
+    return [(tuple(out), x.dtype)]
+
+
+def _r_reshape(n: Node) -> list:
+    (x,) = n.inputs
+    shape = tuple(n.p("shape"))
+    _need(math.prod(shape) == math.prod(x.shape), f"reshape {x.shape} -> {shape}")
+    return [(shape, x.dtype)]
+
+
+def _r_concat(n: Node) -> list:
+    ax = n.p("axis")
+    first = n.inputs[0]
+    total = 0
+    for v in n.inputs:
+        _need(len(v.shape) == len(first.shape), "concatenate of different ranks")
+        _need(v.dtype == first.dtype, "concatenate of different dtypes")
+        for d in range(len(v.shape)):
+            _need(d == ax or v.shape[d] == first.shape[d], "concatenate shapes differ")
+        total += v.shape[ax]
+    shape = list(first.shape)
+    shape[ax] = total
+    return [(tuple(shape), first.dtype)]
+
+
+def _r_reduce(n: Node) -> list:
+    (x,) = n.inputs
+    kind, axes = n.p("kind"), n.p("axes")
+    _need(all(0 <= a < len(x.shape) for a in axes), f"reduce axes {axes} out of range")
+    if kind in ("cumsum", "cumsum_rev"):
+        return [(x.shape, x.dtype)]
+    shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
+    if kind in ("argmax", "argmin"):
+        _need(len(axes) == 1, f"{kind} over one axis")
+        return [(shape, "int32")]
+    return [(shape, x.dtype)]
+
+
+def _r_matmul(n: Node) -> list:
+    a, b = n.inputs
+    _need(len(a.shape) == 3 and len(b.shape) == 3, "matmul takes [B,M,K] x [B,K,N]")
+    _need(a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1],
+          f"matmul shapes {a.shape} x {b.shape}")
+    return [((a.shape[0], a.shape[1], b.shape[2]), n.p("dtype"))]
+
+
+def _r_gather(n: Node) -> list:
+    table, idx = n.inputs
+    _need(idx.dtype == "int32", "gather indices must be int32")
+    _need(len(table.shape) == 2, "gather table must be 2-d")
+    return [((*idx.shape, table.shape[1]), table.dtype)]
+
+
+def _r_map(n: Node) -> list:
+    body: MapBody = n.p("body")
+    _need(len(body.views) == len(n.inputs), "map: one view per input")
+    for v, view in zip(n.inputs, body.views, strict=True):
+        _need(len(view.dims) == len(v.shape), "map: view rank differs from input rank")
+        for j, g in enumerate(view.dims):
+            if g < 0 or view.bcast[j]:
+                _need(0 <= view.starts[j] < max(v.shape[j], 1), "map: view index out of range")
+                continue
+            last = view.starts[j] + (body.space[g] - 1) * view.strides[j]
+            _need(body.space[g] == 0 or last < v.shape[j],
+                  f"map: view of dim {j} reads past {v.shape[j]}")
+    shape = tuple(body.space[d] for d in body.out_space_dims())
+    return [(shape, body.out_dtype)]
+
+
+_RULES = {
+    "elementwise": _r_elementwise,
+    "convert": _r_convert,
+    "broadcast": _r_broadcast,
+    "transpose": _r_transpose,
+    "slice": _r_slice,
+    "reshape": _r_reshape,
+    "concatenate": _r_concat,
+    "reduce": _r_reduce,
+    "matmul": _r_matmul,
+    "gather": _r_gather,
+    "map": _r_map,
+}
+
+
+def check_graph(g: Graph) -> None:
+    """Every var defined once before use; every node's output types follow from its inputs."""
+    defined: set[int] = set()
+    for v in g.inputs:
+        check_dtype(v.dtype, f"graph input {v!r}")
+        defined.add(v.id)
+    for v, arr in g.consts:
+        _need(tuple(arr.shape) == v.shape, f"constant {v!r} has data of shape {arr.shape}")
+        defined.add(v.id)
+    for i, n in enumerate(g.nodes):
+        try:
+            for v in n.inputs:
+                _need(v.id in defined, f"input {v!r} used before it is defined")
+            got = infer(n)
+            _need(len(got) == len(n.outputs), "wrong number of outputs")
+            for v, (shape, dt) in zip(n.outputs, got, strict=True):
+                _need(v.shape == tuple(shape) and v.dtype == dt,
+                      f"output {v!r} but the op gives {dt}{list(shape)}")
+                check_dtype(v.dtype, f"output {v!r}")
+                _need(v.id not in defined, f"{v!r} defined twice")
+                defined.add(v.id)
+        except (GraphError, TypeError) as e:
+            raise GraphError(f"{e}\n  at node {i}:\n{_context(g, i)}") from None
+    for v in g.outputs:
+        _need(v.id in defined, f"graph output {v!r} is never defined")
+
+
+def _context(g: Graph, i: int, radius: int = 2) -> str:
+    lines = []
+    for j in range(max(0, i - radius), min(len(g.nodes), i + radius + 1)):
+        mark = ">>" if j == i else "  "
+        lines.append(f"  {mark} {format_node(g.nodes[j])}")
+    return "\n".join(lines)
+
+
+def format_node(n: Node) -> str:
+    outs = ", ".join(repr(v) for v in n.outputs)
+    ins = ", ".join(f"%{v.id}" for v in n.inputs)
+    ps = []
+    for k, v in n.params:
+        ps.append(f"{k}={v}")
+    src = f"   # {n.source}" if n.source else ""
+    return f"{outs} = {n.op}[{', '.join(ps)}]({ins}){src}"
+
+
+def format_graph(g: Graph) -> str:
+    lines = [f"graph {g.name}(" + ", ".join(repr(v) for v in g.inputs) + ") {"]
+    for v, arr in g.consts:
+        lines.append(f"  {v!r} = constant")
+    for n in g.nodes:
+        lines.append("  " + format_node(n))
+    lines.append("  return " + ", ".join(f"%{v.id}" for v in g.outputs))
+    lines.append("}")
+    return "\n".join(lines)
