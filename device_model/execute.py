@@ -179,7 +179,7 @@ def _compute(
         body, space_block = params
         tiles = [sp.read(op.sp, slot) for op in stage.inputs]
         dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        r = ops.run_map(jnp, body, tiles, dts, space_block)
+        r = ops.run_map(jnp, body, tiles, dts, space_block, sp.arr.shape[0])
         r = ops.narrow(jnp, r, body.out_dtype)
         want = out.block
         if r.ndim - 1 < len(want):
@@ -300,18 +300,22 @@ def run_kernel(kernel: Kernel, args: list[Any]) -> list[Any]:
     """Trace-time interpreter over a kernel's stages (call it under ``jax.jit``)."""
     decls = {t.name: t for t in kernel.tensors}
     env: dict[str, Any] = dict(zip(kernel.inputs, args, strict=True))
-    alias = dict(kernel.aliases)
 
     def resolve() -> None:
-        for view, base in alias.items():
-            if view not in env and base in env:
-                env[view] = env[base].reshape(decls[view].layout.device_shape)
+        # a view and its base are the same buffer: whichever exists gives the other
+        changed = True
+        while changed:
+            changed = False
+            for view, base in kernel.aliases:
+                for have, want in ((base, view), (view, base)):
+                    if have in env and want not in env:
+                        env[want] = env[have].reshape(decls[want].layout.device_shape)
+                        changed = True
 
     resolve()
     for st in kernel.stages:
-        resolve()
         env[st.output.tensor] = run_stage(st, env, decls, kernel.num_cores)
-    resolve()
+        resolve()
     return [env[o] for o in kernel.outputs]
 
 

@@ -166,7 +166,11 @@ def check_kernel(k: Kernel) -> None:
     if len(names) != len(k.tensors):
         raise ScheduleError(f"kernel {k.name}: duplicate tensor names")
     alias_of = dict(k.aliases)
-    written: set[str] = {n for n in k.inputs} | {t.name for t in k.tensors if t.role == "const"}
+    written: set[str] = set(k.inputs) | {t.name for t in k.tensors if t.role == "const"}
+    for _ in range(2):
+        for view, base in k.aliases:
+            if base in written or view in written:
+                written.update((view, base))
     for view, base in k.aliases:
         if view not in names or base not in names:
             raise ScheduleError(f"kernel {k.name}: alias {view} -> {base} names unknown tensors")
@@ -181,9 +185,10 @@ def check_kernel(k: Kernel) -> None:
             if op.tensor not in written and base not in written:
                 raise ScheduleError(f"{where}: reads {op.tensor} before any stage writes it")
         written.add(s.output.tensor)
-        for view, base in k.aliases:
-            if base in written:
-                written.add(view)
+        for _ in range(2):
+            for view, base in k.aliases:
+                if base in written or view in written:
+                    written.update((view, base))
     for o in k.outputs:
         if o not in written and alias_of.get(o, o) not in written:
             raise ScheduleError(f"kernel {k.name}: output {o} is never written")

@@ -421,15 +421,17 @@ def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
 
 
 def run_map(
-    xp: Any, body: MapBody, tiles: list[Any], in_dtypes: list[str], space_block: tuple[int, ...]
+    xp: Any, body: MapBody, tiles: list[Any], in_dtypes: list[str], space_block: tuple[int, ...],
+    ncores: int,
 ) -> Any:
     """A map stage's compute on one step: input tiles -> output tile (compute type, space dims)."""
-    seen = [
-        view_tile(xp, widen(xp, t, dt), v, space_block)
-        for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True)
-    ]
+    seen = []
+    for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True):
+        if not v.dims:  # a rank-0 tensor: element 0 of its one stick
+            t = t[:, 0]
+        seen.append(view_tile(xp, widen(xp, t, dt), v, space_block))
     r = run_program(xp, body, seen)
-    c = tiles[0].shape[0] if tiles else 1
+    c = ncores
     r = xp.broadcast_to(r, (c, *space_block)) if r.shape != (c, *space_block) else r
     if body.reduce:
         r = _reduce(xp, r, body.reduce, body.reduce_axes)

@@ -41,9 +41,9 @@ class Builder:
         self.consts: list[tuple[Var, np.ndarray]] = []
         self.source = ""
 
-    def emit(self, op: str, inputs: list[Var], shape: tuple[int, ...], dtype: str,
+    def emit(self, op: str, inputs: list[Var], out_shape: tuple[int, ...], out_dtype: str,
              **kw: Any) -> Var:
-        out = Var(tuple(int(d) for d in shape), dtype)
+        out = Var(tuple(int(d) for d in out_shape), out_dtype)
         self.nodes.append(Node(op, tuple(inputs), (out,), params(**kw), self.source))
         return out
 
@@ -70,16 +70,13 @@ class Builder:
             if isinstance(a, Lit):
                 scalars.append((pos, a.value, a.dtype))
             elif a.shape != tuple(shape):
+                # scalar operands and size-1 dims broadcast implicitly
+                dims = () if a.shape == () else tuple(range(len(shape)))
                 vars_.append(self.emit("broadcast", [a], shape, a.dtype, shape=tuple(shape),
-                                       dims=()) if a.shape == () else a)
+                                       dims=dims))
             else:
                 vars_.append(a)
-        if not vars_:
-            # all operands are literals: broadcast the first into a var of the right shape
-            v0 = self.const(np.full(shape, args[0].value), args[0].dtype)  # type: ignore[union-attr]
-            vars_.append(v0)
-            scalars = [(p, v, d) for p, v, d in scalars if p != 0]
-        return self.emit("elementwise", vars_, shape, dtype, fn=fn, scalars=tuple(scalars),
+        return self.emit("elementwise", vars_, shape, dtype, fn=fn, scalars=tuple(scalars), dtype=dtype, shape=tuple(shape),
                          param=param)
 
     def reshape(self, x: Var, shape: tuple[int, ...]) -> Var:

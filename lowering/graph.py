@@ -114,7 +114,8 @@ def _r_elementwise(n: Node) -> list:
     arity = ELEMENTWISE[fn][1]
     nargs = len(n.inputs) + len(n.p("scalars", ()))
     _need(arity < 0 or nargs == arity, f"{fn} takes {arity} operands, got {nargs}")
-    shape = n.inputs[0].shape if n.inputs else ()
+    shape = tuple(n.p("shape", n.inputs[0].shape if n.inputs else ()))
+    _need(not n.inputs or n.inputs[0].shape == shape, "elementwise shape differs from inputs")
     return [(shape, n.p("dtype"))]
 
 

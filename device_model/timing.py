@@ -1,0 +1,129 @@
+"""The timing model: simulated time of a kernel from its schedule, every figure from a parameter.
+
+Per stage and step ``t`` the model counts, from the schedule's own tables:
+
+* ``L_t``: bytes loaded from device memory (whole blocks; gathers add their indirect rows),
+  ``S_t``: bytes stored, both against the shared device-memory bandwidth ``device_memory_bw``;
+* ``R_t``: ring time, the busiest directed ring link's bytes over ``ring_bytes_per_cycle`` per
+  cycle (each forward takes the shorter way round the ring);
+* ``C_t``: the slowest core's compute: PE flops (on padded sticks) over
+  ``pe_flops_per_cycle_per_core``, SFU element-ops over ``sfu_elems_per_cycle`` x corelets.
+
+Double buffering overlaps step t's compute with step t+1's loads and step t's stores:
+``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + S_t)/bw)``; stages run one after another.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .card import CardSpec
+from .kernel import Kernel, Stage
+from .layout import DTYPES
+
+__all__ = ["stage_cost", "kernel_cost"]
+
+
+def _ring_time(transfers: list[tuple[int, int, int]], card: CardSpec) -> float:
+    n = card.num_cores
+    links: dict[tuple[int, int], int] = {}
+    for src, dst, nbytes in transfers:
+        fwd = (dst - src) % n
+        step = 1 if fwd <= n - fwd else -1
+        hops = fwd if step == 1 else n - fwd
+        c = src
+        for _ in range(hops):
+            nxt = (c + step) % n
+            links[(c, nxt)] = links.get((c, nxt), 0) + nbytes
+            c = nxt
+    if not links:
+        return 0.0
+    return max(links.values()) / card.ring_bytes_per_cycle / card.clock_hz
+
+
+def _block_bytes(block: tuple[int, ...], dtype: str) -> int:
+    return math.prod(block) * DTYPES[dtype]
+
+
+def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, Any]:
+    """Time (s) and traffic of one stage; see the module docstring for the formula."""
+    in_bytes = [_block_bytes(op.block, dtypes[op.tensor]) for op in s.inputs]
+    out_bytes = _block_bytes(s.output.block, dtypes[s.output.tensor])
+    T = s.steps
+    L, S, R, C = [0] * T, [0] * T, [0.0] * T, [0.0] * T
+    ring_bytes = 0
+    active = set()
+    unit, kind, params = s.body[0]
+    for t in range(T):
+        transfers = []
+        for i, _op in enumerate(s.inputs):
+            row, rrow = s.loads[t][i], s.ring[t][i]
+            for c in range(len(row)):
+                if row[c] >= 0:
+                    L[t] += in_bytes[i]
+                    active.add(c)
+                if rrow[c] >= 0:
+                    transfers.append((rrow[c], c, in_bytes[i]))
+                    ring_bytes += in_bytes[i]
+                    active.add(c)
+        nstore = sum(1 for b in s.stores[t] if b >= 0)
+        S[t] = nstore * out_bytes
+        if kind == "gather":
+            L[t] += nstore * out_bytes  # the indirectly loaded rows
+        R[t] = _ring_time(transfers, card)
+        if kind == "matmul":
+            lhs, rhs = s.inputs
+            tm, tkp = lhs.block[1], lhs.block[2]
+            tn = rhs.block[2]
+            C[t] = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+        elif kind == "map":
+            body, space_block = params
+            elems = math.prod(space_block)
+            per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
+            rate = card.sfu_elems_per_cycle * card.corelets_per_core
+            C[t] = per_core / rate / card.clock_hz
+    bw = card.device_memory_bw
+    total = L[0] / bw + R[0]
+    for t in range(T):
+        nxt_l = L[t + 1] if t + 1 < T else 0
+        nxt_r = R[t + 1] if t + 1 < T else 0.0
+        total += max(C[t], nxt_r, (nxt_l + S[t]) / bw)
+    return {
+        "stage": s.name,
+        "kind": s.kind,
+        "steps": T,
+        "time_s": total,
+        "compute_s": sum(C),
+        "memory_s": (sum(L) + sum(S)) / bw,
+        "ring_s": sum(R),
+        "load_bytes": sum(L),
+        "store_bytes": sum(S),
+        "ring_bytes": ring_bytes,
+        "cores_used": len(active) if active else sum(1 for b in s.stores[0] if b >= 0),
+        "scratchpad_bytes": s.sp_peak_bytes,
+        "flops": s.flops,
+    }
+
+
+def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
+    """The figures of ``Compiled.cost_analysis()`` for one kernel."""
+    dtypes = {t.name: t.layout.dtype for t in k.tensors}
+    stages = [stage_cost(s, dtypes, card) for s in k.stages]
+    padding = sum(t.layout.padding_bytes for t in k.tensors if t.role != "view")
+    out = {
+        "flops": float(sum(s["flops"] for s in stages)),
+        "device_bytes": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
+        "bytes accessed": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
+        "scratchpad_peak_bytes": max((s["scratchpad_bytes"] for s in stages), default=0),
+        "scratchpad_usable_bytes": card.scratchpad_usable_bytes,
+        "padding_bytes": padding,
+        "cores_used": max((s["cores_used"] for s in stages), default=0),
+        "sim_time_us": sum(s["time_s"] for s in stages) * 1e6,
+        "compute_us": sum(s["compute_s"] for s in stages) * 1e6,
+        "memory_us": sum(s["memory_s"] for s in stages) * 1e6,
+        "ring_bytes": float(sum(s["ring_bytes"] for s in stages)),
+        "num_stages": len(stages),
+        "stages": stages,
+    }
+    return out

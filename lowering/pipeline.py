@@ -1,0 +1,42 @@
+"""The compiler as one readable function of named passes.
+
+Set ``SPYRE_DUMP=1`` to print the IR after every pass; ``SPYRE_CHECK=0`` skips the checkers
+(they run by default, and always in the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+from device_model.card import CardSpec
+from device_model.kernel import Kernel, check_kernel, format_kernel
+
+from .graph import Graph, check_graph
+from .passes import dce, fuse_maps, to_maps
+from .schedule import schedule
+
+__all__ = ["compile_graph", "GRAPH_PASSES"]
+
+GRAPH_PASSES = (("to_maps", to_maps), ("fuse_maps", fuse_maps), ("dce", dce))
+
+
+def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Kernel:
+    """Graph IR -> fused graph -> tiled schedule (a :class:`Kernel`)."""
+    check = os.environ.get("SPYRE_CHECK", "1") != "0" if check is None else check
+    dump = os.environ.get("SPYRE_DUMP", "") not in ("", "0")
+    if check:
+        check_graph(g)
+    if dump:
+        print(f"=== {g.name}: imported\n{g}")
+    for name, fn in GRAPH_PASSES:
+        g = fn(g)
+        if check:
+            check_graph(g)
+        if dump:
+            print(f"=== {g.name}: after {name}\n{g}")
+    k = schedule(g, card)
+    if check:
+        check_kernel(k)
+    if dump:
+        print(f"=== {g.name}: schedule\n{format_kernel(k)}")
+    return k

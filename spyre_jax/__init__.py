@@ -1,0 +1,34 @@
+"""spyre-jax: compile JAX functions for IBM's Spyre card and run them on a simulated card.
+
+>>> import spyre_jax, jax.numpy as jnp, numpy as np
+>>> f = spyre_jax.jit(lambda x: jnp.tanh(x) * 2)
+>>> y = f(np.ones((4, 100), np.float16))
+>>> y.shape
+(4, 100)
+"""
+
+from device_model.card import CardSpec
+from device_model.memory import DeviceOOMError
+from lowering.errors import TilingError, UnsupportedPrimitiveError
+
+from . import errors
+from .api import Compiled, Jitted, Lowered, jit
+from .runtime import Array, Device, device_put, devices, memory_stats, set_card
+
+__all__ = [
+    "Array",
+    "CardSpec",
+    "Compiled",
+    "Device",
+    "DeviceOOMError",
+    "Jitted",
+    "Lowered",
+    "TilingError",
+    "UnsupportedPrimitiveError",
+    "device_put",
+    "devices",
+    "errors",
+    "jit",
+    "memory_stats",
+    "set_card",
+]

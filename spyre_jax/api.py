@@ -1,0 +1,243 @@
+"""``spyre_jax.jit``: trace with JAX, lower through the shared IR, run on the simulated card."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from device_model.execute import build_runner
+from device_model.kernel import Kernel, format_kernel
+from device_model.layout import layout_for
+from device_model.memory import DeviceOOMError
+from device_model.timing import kernel_cost
+from lowering.from_jaxpr import from_jaxpr
+from lowering.graph import Graph, format_graph
+from lowering.pipeline import compile_graph
+
+from .runtime import Array, device_put, host_dtype, new_array, runtime, to_device_buffer
+
+__all__ = ["jit", "Jitted", "Lowered", "Compiled"]
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return isinstance(x, Array | np.ndarray | np.generic | jax.Array | float | int | bool) \
+        and not isinstance(x, str)
+
+
+def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
+    if isinstance(x, Array):
+        x._buffer()  # raises if deleted
+        return x.shape, x.layout.dtype
+    if isinstance(x, bool):
+        return (), "bool"
+    if isinstance(x, int) and not isinstance(x, np.generic):
+        return (), "int32"
+    if isinstance(x, float) and not isinstance(x, np.generic):
+        return (), "float32"
+    if np.iscomplexobj(x) or np.dtype(x.dtype).kind == "c":
+        host_dtype(np.complex64(0))  # raises the TypeError listing the supported dtypes
+    return tuple(np.shape(x)), host_dtype(x)
+
+
+class Compiled:
+    """A function compiled for the card: a kernel, its jitted card program and its figures."""
+
+    def __init__(self, graph: Graph, kernel: Kernel, out_tree: Any, compile_s: float):
+        self.graph = graph
+        self.kernel = kernel
+        self._out_tree = out_tree
+        self._runner = build_runner(kernel)
+        rt = runtime()
+        self._rt = rt
+        self.compile_seconds = compile_s
+        self._cost = kernel_cost(kernel, rt.card)
+        # constants live in device memory for the life of the compiled function
+        decls = {t.name: t for t in kernel.tensors}
+        self._consts: list[Array] = []
+        n_in = len(graph.inputs)
+        for name, (_, arr) in zip(kernel.inputs[n_in:], graph.consts, strict=True):
+            lay = decls[name].layout
+            with rt.lock:
+                addr = rt.memory.alloc(lay.nbytes, tag="constant")
+                self._consts.append(new_array(rt, addr, lay, to_device_buffer(arr, lay)))
+        self._out_layouts = [decls[o].layout for o in kernel.outputs]
+        self._temp_bytes = sum(t.layout.nbytes for t in kernel.tensors if t.role == "temp")
+
+    def cost_analysis(self) -> dict[str, Any]:
+        """Figures of the schedule: flops, device_bytes, scratchpad_peak_bytes, padding_bytes,
+        cores_used, sim_time_us (simulated time on the card), and a per-stage breakdown."""
+        return dict(self._cost)
+
+    def as_text(self) -> str:
+        """The schedule, readable."""
+        return format_kernel(self.kernel)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("call the jitted function, or Compiled.call(flat_leaves)")  # pragma: no cover
+
+    def _run(self, leaves: list[Any]) -> Any:
+        rt = self._rt
+        bufs, temps = [], []
+        try:
+            for x in leaves:
+                if not isinstance(x, Array):
+                    x = device_put(x)  # host values are copied in, freed after the call
+                    temps.append(x)
+                bufs.append(x._buffer())
+            sizes = [lay.nbytes for lay in self._out_layouts] + [self._temp_bytes]
+            with rt.lock:
+                addrs = rt.memory.allocate_many(sizes, tag="launch")
+            try:
+                outs = self._runner(*bufs, *[c._buffer() for c in self._consts])
+            except BaseException:
+                for a in addrs:
+                    rt.memory.free(a)
+                raise
+            rt.memory.free(addrs[-1])  # the workspace of intermediates
+            arrays = [new_array(rt, a, lay, o)
+                      for a, lay, o in zip(addrs[:-1], self._out_layouts, outs, strict=True)]
+        finally:
+            for t in temps:
+                t.delete()
+        return jax.tree_util.tree_unflatten(self._out_tree, arrays)
+
+
+class Lowered:
+    """A traced and lowered function: the graph IR and the schedule, not yet compiled to JAX."""
+
+    def __init__(self, jitted: Jitted, key: Any, graph: Graph, kernel: Kernel, out_tree: Any,
+                 t0: float):
+        self._jitted, self._key = jitted, key
+        self.graph, self.kernel, self._out_tree, self._t0 = graph, kernel, out_tree, t0
+
+    def as_text(self, ir: str = "schedule") -> str:
+        """The schedule (``ir="schedule"``) or the graph IR (``ir="graph"``), readable."""
+        return format_graph(self.graph) if ir == "graph" else format_kernel(self.kernel)
+
+    def compile(self) -> Compiled:
+        c = self._jitted._cache.get(self._key)
+        if c is None:
+            c = Compiled(self.graph, self.kernel, self._out_tree, time.perf_counter() - self._t0)
+            self._jitted._cache[self._key] = c
+        return c
+
+    def cost_analysis(self) -> dict[str, Any]:
+        return kernel_cost(self.kernel, runtime().card)
+
+
+class Jitted:
+    """The result of :func:`jit`: callable, with ``.lower(*args)`` and a per-signature cache."""
+
+    def __init__(self, fun: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+        self.fun = fun
+        self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
+        self.static_argnames = tuple(static_argnames)
+        self._cache: dict[Any, Compiled] = {}
+        self.trace_count = 0
+        functools.update_wrapper(self, fun)
+        try:
+            self._sig = inspect.signature(fun)
+        except (TypeError, ValueError):
+            self._sig = None
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], Any]:
+        n = len(args)
+        static_nums = tuple(i if i >= 0 else n + i for i in self.static_argnums)
+        static = tuple((i, args[i]) for i in static_nums if i < n)
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_nums)
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kw))
+        dyn_pos, dyn_leaves, static_leaves = [], [], []
+        for i, x in enumerate(leaves):
+            if _is_array_leaf(x):
+                dyn_pos.append(i)
+                dyn_leaves.append(x)
+            else:
+                static_leaves.append((i, x))  # non-array leaves (functions, strings) are static
+        avals = tuple(_leaf_aval(x) for x in dyn_leaves)
+        try:
+            key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw)
+            hash(key)
+        except TypeError as e:
+            raise TypeError(f"spyre_jax.jit: static arguments must be hashable ({e})") from None
+        return key, dyn_leaves, (n, static_nums, static, static_kw, tree, dyn_pos, static_leaves)
+
+    def _trace(self, key: Any, info: Any, avals: tuple) -> Lowered:
+        t0 = time.perf_counter()
+        n, static_nums, static, static_kw, tree, dyn_pos, static_leaves = info
+        nleaves = len(dyn_pos) + len(static_leaves)
+        out_store: dict[str, Any] = {}
+
+        def flat_fun(*dyn: Any) -> Any:
+            leaves: list[Any] = [None] * nleaves
+            for p, v in zip(dyn_pos, dyn, strict=True):
+                leaves[p] = v
+            for p, v in static_leaves:
+                leaves[p] = v
+            dyn_args, dyn_kw = jax.tree_util.tree_unflatten(tree, leaves)
+            it = iter(dyn_args)
+            smap = dict(static)
+            args = [smap[i] if i in smap else next(it) for i in range(n)]
+            out = self.fun(*args, **dyn_kw, **dict(static_kw))
+            flat, out_tree = jax.tree_util.tree_flatten(out)
+            out_store["tree"] = out_tree
+            return flat
+
+        specs = [jax.ShapeDtypeStruct(s, np.dtype(d) if d != "bfloat16" else jax.numpy.bfloat16)
+                 for s, d in avals]
+        self.trace_count += 1
+        closed = jax.make_jaxpr(flat_fun)(*specs)
+        name = getattr(self.fun, "__name__", "fn")
+        graph = from_jaxpr(closed, name=name if name.isidentifier() else "fn")
+        _check_fits(graph)
+        kernel = compile_graph(graph, runtime().card)
+        return Lowered(self, key, graph, kernel, out_store["tree"], t0)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower for these arguments (shapes, dtypes and static values)."""
+        key, leaves, info = self._split(args, kwargs)
+        return self._trace(key, info, key[1])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, leaves, info = self._split(args, kwargs)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._trace(key, info, key[1]).compile()
+        return c._run(leaves)
+
+
+def _check_fits(graph: Graph) -> None:
+    """Raise DeviceOOMError before scheduling when one tensor cannot fit device memory."""
+    mem = runtime().memory
+    st = mem.stats()
+    values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
+    for v in values:
+        need = layout_for(v.shape, v.dtype).nbytes
+        if need > st["bytes_limit"]:
+            raise DeviceOOMError(need, st["bytes_in_use"], st["bytes_limit"],
+                                 st["largest_free_block"])
+
+
+def jit(fun: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = ()) -> Any:
+    """Compile ``fun`` for the simulated Spyre card, like ``jax.jit``.
+
+    Pytrees in and out; compiled once per argument shapes, dtypes and static values (a second
+    call with the same signature does not retrace). Array leaves are traced; other leaves (such
+    as an equinox module's functions) are treated as static. Results are :class:`Array` s that
+    stay in device memory.
+    """
+    if isinstance(static_argnums, int):
+        static_argnums = (static_argnums,)
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    if fun is None:
+        return lambda f: Jitted(f, static_argnums, static_argnames)
+    return Jitted(fun, static_argnums, static_argnames)
