@@ -445,9 +445,18 @@ def run_matmul_step(xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any) -> Any:
     ``first`` (a Python bool, or a traced one) starts the accumulator from zero.
     """
     k = rhs.shape[2]
-    a = lhs[..., :k].astype(np.float32)
-    b = rhs.astype(np.float32)
-    prod = xp.einsum("cbmk,cbkn->cbmn", a, b)
+    a = lhs[..., :k]
+    if xp is np:
+        prod = np.einsum("cbmk,cbkn->cbmn", a.astype(np.float32), rhs.astype(np.float32))
+    else:
+        from jax import lax
+
+        # products of the tiles' own dtype, accumulated in fp32 (the PE's contract)
+        # materialize the tiles so XLA hands the dot to its GEMM rather than fusing the
+        # scratchpad reads into a naive loop
+        a, rhs = lax.optimization_barrier((a, rhs))
+        prod = lax.dot_general(a, rhs, (((3,), (2,)), ((0, 1), (0, 1))),
+                               preferred_element_type=np.float32)
     if isinstance(first, bool | np.bool_):
         return prod if first else acc + prod
     return xp.where(first, prod, acc + prod)

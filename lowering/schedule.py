@@ -295,6 +295,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     tm_c = _divisors(M)
     card = ctx.card
     best = None
+    cands_all: list[tuple[float, int, int, int, int]] = []
     for tm, tn, tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
@@ -311,9 +312,13 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
         load = (uniq_a * tm * tkp * la.itemsize + uniq_b * tk * tn * lb.itemsize) / card.device_memory_bw
         comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
         est = load + (steps - 1) * max(load, comp) + comp + steps * 1e-7
-        key = (est, steps)
-        if best is None or key < best[0]:
-            best = (key, tm, tn, tk)
+        cands_all.append((est, steps, tm, tn, tk))
+    if cands_all:
+        # among tilings within 10% of the fastest, the one with the fewest steps
+        fastest = min(c[0] for c in cands_all)
+        near = [c for c in cands_all if c[0] <= 1.1 * fastest]
+        est, _, tm, tn, tk = min(near, key=lambda c: (c[1], c[0]))
+        best = ((est,), tm, tn, tk)
     if best is None:
         raise TilingError(
             f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
