@@ -1,0 +1,7 @@
+"""``python -m spyre_jax``: the same commands as the ``spyre-jax`` script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
