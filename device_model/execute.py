@@ -201,8 +201,15 @@ def _grouped_matmul(lhs: jax.Array, rhs: jax.Array, ring: np.ndarray, loads: np.
 
 
 def _compute(
-    stage: Stage, sp: _Scratchpad, slot: Any, t_first: Any, decls: dict[str, Any],
-    env: dict[str, Any], store_idx: Any, ring_rows: Any = None, loads_rows: Any = None,
+    stage: Stage,
+    sp: _Scratchpad,
+    slot: Any,
+    t_first: Any,
+    decls: dict[str, Any],
+    env: dict[str, Any],
+    store_idx: Any,
+    ring_rows: Any = None,
+    loads_rows: Any = None,
 ) -> None:
     """The PEs/SFUs (and, for gathers, the indirect loads) of one step, scratchpad to scratchpad."""
     unit, kind, params = stage.body[0]
@@ -225,8 +232,11 @@ def _compute(
         acc = sp.read("acc", 0)
         if ring_rows is not None and _static(ring_rows[1]):
             prod = _grouped_matmul(lhs, rhs, ring_rows[1], loads_rows[1])
-            acc = prod if t_first is True else (acc + prod if t_first is False
-                                                else jnp.where(t_first, prod, acc + prod))
+            acc = (
+                prod
+                if t_first is True
+                else (acc + prod if t_first is False else jnp.where(t_first, prod, acc + prod))
+            )
         else:
             acc = ops.run_matmul_step(jnp, acc, lhs, rhs, t_first)
         sp.write("acc", 0, acc)
@@ -300,10 +310,10 @@ def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: 
             slot = t % nslots[i]
             _load(sp, op, blocked[i], loads[i], ring[i], slot)
 
-    def step(t: Any, stores: Any, first: Any, ob: jax.Array, ring: Any = None,
-             loads: Any = None) -> jax.Array:
-        _compute(stage, sp, t % oslots if oslots > 1 else 0, first, decls, env, stores,
-                 ring, loads)
+    def step(
+        t: Any, stores: Any, first: Any, ob: jax.Array, ring: Any = None, loads: Any = None
+    ) -> jax.Array:
+        _compute(stage, sp, t % oslots if oslots > 1 else 0, first, decls, env, stores, ring, loads)
         tile = sp.read(out.sp, t % oslots if oslots > 1 else 0)
         return _store(ob, tile, stores)
 
@@ -312,8 +322,14 @@ def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: 
         for t in range(T):
             if t + 1 < T:
                 load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1])
-            out_blocked = step(t, tab["stores"][t], bool(tab["first"][t]), out_blocked,
-                               tab["ring"][t], tab["loads"][t])
+            out_blocked = step(
+                t,
+                tab["stores"][t],
+                bool(tab["first"][t]),
+                out_blocked,
+                tab["ring"][t],
+                tab["loads"][t],
+            )
     else:
         load_step(0, tab["loads"][0], tab["ring"][0])
         nxt_loads = np.concatenate([tab["loads"][1:], -np.ones_like(tab["loads"][:1])])

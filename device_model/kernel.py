@@ -230,7 +230,7 @@ def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int) 
         raise ScheduleError("step tables have different lengths")
     stored: set[int] = set()
     for t in range(T):
-        for i, op in enumerate(s.inputs):
+        for i in range(len(s.inputs)):
             row, rrow = s.loads[t][i], s.ring[t][i]
             if len(row) != ncores or len(rrow) != ncores:
                 raise ScheduleError(f"step {t}: table row is not one entry per core")
@@ -293,7 +293,9 @@ def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> 
     lines.extend(_fmt_body(s.body))
     ncores = len(s.stores[0]) if s.stores else 0
     for t in range(min(s.steps, max_steps)):
-        lines.append(f"    step {t}:" + (" first" if s.first[t] else "") + (" last" if s.last[t] else ""))
+        lines.append(
+            f"    step {t}:" + (" first" if s.first[t] else "") + (" last" if s.last[t] else "")
+        )
         for c in range(ncores):
             parts = []
             for i, op in enumerate(s.inputs):

@@ -65,7 +65,9 @@ class InputView:
 
     def is_plain(self, j: int) -> bool:
         """Input dim j is read one-to-one (a candidate for tiling)."""
-        return self.dims[j] >= 0 and not self.bcast[j] and self.starts[j] == 0 and self.strides[j] == 1
+        return (
+            self.dims[j] >= 0 and not self.bcast[j] and self.starts[j] == 0 and self.strides[j] == 1
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,7 @@ class MapBody:
 
 @dataclass(frozen=True, slots=True)
 class MatmulBody:
-    """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32, rounded on the last step."""
+    """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32; rounded at the end."""
 
     k_logical: int
     out_dtype: str
@@ -255,7 +257,9 @@ def _min(xp: Any, a: Any, b: Any) -> Any:
 
 def _select(xp: Any, pred: Any, *cases: Any) -> Any:
     if len(cases) == 2:
-        return xp.where(pred.astype(bool) if pred.dtype == np.bool_ else pred != 0, cases[1], cases[0])
+        return xp.where(
+            pred.astype(bool) if pred.dtype == np.bool_ else pred != 0, cases[1], cases[0]
+        )
     out = cases[0]
     for i, c in enumerate(cases[1:], start=1):
         out = xp.where(pred == i, c, out)
@@ -317,8 +321,23 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
 
 #: ops the SFU evaluates with several passes (for the timing model)
 TRANSCENDENTAL = frozenset(
-    {"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "erf", "sin",
-     "cos", "pow", "atan2", "div"}
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "logistic",
+        "erf",
+        "sin",
+        "cos",
+        "pow",
+        "atan2",
+        "div",
+    }
 )
 
 
@@ -331,7 +350,9 @@ def fit(xp: Any, x: Any, shape: tuple[int, ...], lead: int = 1) -> Any:
     cur = x.shape[lead:]
     if tuple(cur) == tuple(shape):
         return x
-    idx = (slice(None),) * lead + tuple(slice(0, min(c, s)) for c, s in zip(cur, shape, strict=True))
+    idx = (slice(None),) * lead + tuple(
+        slice(0, min(c, s)) for c, s in zip(cur, shape, strict=True)
+    )
     x = x[idx]
     pads = [(0, 0)] * lead + [(0, max(0, s - c)) for c, s in zip(cur, shape, strict=True)]
     if any(p[1] for p in pads):
@@ -421,7 +442,11 @@ def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
 
 
 def run_map(
-    xp: Any, body: MapBody, tiles: list[Any], in_dtypes: list[str], space_block: tuple[int, ...],
+    xp: Any,
+    body: MapBody,
+    tiles: list[Any],
+    in_dtypes: list[str],
+    space_block: tuple[int, ...],
     ncores: int,
 ) -> Any:
     """A map stage's compute on one step: input tiles -> output tile (compute type, space dims)."""
@@ -455,8 +480,9 @@ def run_matmul_step(xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any) -> Any:
         # materialize the tiles so XLA hands the dot to its GEMM rather than fusing the
         # scratchpad reads into a naive loop
         a, rhs = lax.optimization_barrier((a, rhs))
-        prod = lax.dot_general(a, rhs, (((3,), (2,)), ((0, 1), (0, 1))),
-                               preferred_element_type=np.float32)
+        prod = lax.dot_general(
+            a, rhs, (((3,), (2,)), ((0, 1), (0, 1))), preferred_element_type=np.float32
+        )
     if isinstance(first, bool | np.bool_):
         return prod if first else acc + prod
     return xp.where(first, prod, acc + prod)

@@ -41,8 +41,9 @@ class Builder:
         self.consts: list[tuple[Var, np.ndarray]] = []
         self.source = ""
 
-    def emit(self, op: str, inputs: list[Var], out_shape: tuple[int, ...], out_dtype: str,
-             **kw: Any) -> Var:
+    def emit(
+        self, op: str, inputs: list[Var], out_shape: tuple[int, ...], out_dtype: str, **kw: Any
+    ) -> Var:
         out = Var(tuple(int(d) for d in out_shape), out_dtype)
         self.nodes.append(Node(op, tuple(inputs), (out,), params(**kw), self.source))
         return out
@@ -62,8 +63,9 @@ class Builder:
             return x
         return self.elementwise("copy", [x], tuple(shape), x.dtype)
 
-    def elementwise(self, fn: str, args: list[Var | Lit], shape: tuple[int, ...], dtype: str,
-                    param: Any = None) -> Var:
+    def elementwise(
+        self, fn: str, args: list[Var | Lit], shape: tuple[int, ...], dtype: str, param: Any = None
+    ) -> Var:
         vars_: list[Var] = []
         scalars = []
         for pos, a in enumerate(args):
@@ -72,12 +74,22 @@ class Builder:
             elif a.shape != tuple(shape):
                 # scalar operands and size-1 dims broadcast implicitly
                 dims = () if a.shape == () else tuple(range(len(shape)))
-                vars_.append(self.emit("broadcast", [a], shape, a.dtype, shape=tuple(shape),
-                                       dims=dims))
+                vars_.append(
+                    self.emit("broadcast", [a], shape, a.dtype, shape=tuple(shape), dims=dims)
+                )
             else:
                 vars_.append(a)
-        return self.emit("elementwise", vars_, shape, dtype, fn=fn, scalars=tuple(scalars), dtype=dtype, shape=tuple(shape),
-                         param=param)
+        return self.emit(
+            "elementwise",
+            vars_,
+            shape,
+            dtype,
+            fn=fn,
+            scalars=tuple(scalars),
+            dtype=dtype,
+            shape=tuple(shape),
+            param=param,
+        )
 
     def reshape(self, x: Var, shape: tuple[int, ...]) -> Var:
         shape = tuple(int(d) for d in shape)
@@ -115,8 +127,18 @@ def _aval(v: Any) -> tuple[tuple[int, ...], str]:
 
 
 _SKIP_DIRS = tuple(
-    os.sep + d + os.sep for d in ("jax", "jaxlib", "equinox", "lowering", "spyre_jax",
-                                  "device_model", "torch_bridge", "contextlib", "functools")
+    os.sep + d + os.sep
+    for d in (
+        "jax",
+        "jaxlib",
+        "equinox",
+        "lowering",
+        "spyre_jax",
+        "device_model",
+        "torch_bridge",
+        "contextlib",
+        "functools",
+    )
 )
 
 
@@ -178,8 +200,9 @@ def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
         fn = RULES.get(name)
         where = user_source_line(eqn.source_info)
         if fn is None:
-            raise UnsupportedPrimitiveError("JAX", name, _eqn_text(eqn), where,
-                                            _eqn_context(jaxpr, eqn))
+            raise UnsupportedPrimitiveError(
+                "JAX", name, _eqn_text(eqn), where, _eqn_context(jaxpr, eqn)
+            )
         saved = b.source
         b.source = where
         try:
@@ -253,15 +276,47 @@ def _identity(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
 # rules: elementwise
 
 _UNARY = {
-    "neg": "neg", "abs": "abs", "sign": "sign", "floor": "floor", "ceil": "ceil",
-    "exp": "exp", "exp2": "exp2", "log": "log", "log1p": "log1p", "expm1": "expm1",
-    "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "logistic": "logistic", "erf": "erf",
-    "sin": "sin", "cos": "cos", "square": "square", "not": "not", "is_finite": "is_finite",
+    "neg": "neg",
+    "abs": "abs",
+    "sign": "sign",
+    "floor": "floor",
+    "ceil": "ceil",
+    "exp": "exp",
+    "exp2": "exp2",
+    "log": "log",
+    "log1p": "log1p",
+    "expm1": "expm1",
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "tanh": "tanh",
+    "logistic": "logistic",
+    "erf": "erf",
+    "sin": "sin",
+    "cos": "cos",
+    "square": "square",
+    "not": "not",
+    "is_finite": "is_finite",
 }
 _BINARY = {
-    "add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "rem": "rem",
-    "pow": "pow", "max": "max", "min": "min", "atan2": "atan2", "and": "and", "or": "or",
-    "xor": "xor", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge",
+    "add": "add",
+    "add_any": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "div": "div",
+    "rem": "rem",
+    "pow": "pow",
+    "max": "max",
+    "min": "min",
+    "atan2": "atan2",
+    "and": "and",
+    "or": "or",
+    "xor": "xor",
+    "eq": "eq",
+    "ne": "ne",
+    "lt": "lt",
+    "le": "le",
+    "gt": "gt",
+    "ge": "ge",
 }
 
 
@@ -391,8 +446,14 @@ def _reduce_rule(kind: str) -> Rule:
     return r
 
 
-for _p, _k in {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
-               "reduce_prod": "prod", "argmax": "argmax", "argmin": "argmin"}.items():
+for _p, _k in {
+    "reduce_sum": "sum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+    "reduce_prod": "prod",
+    "argmax": "argmax",
+    "argmin": "argmin",
+}.items():
     RULES[_p] = _reduce_rule(_k)
 
 
@@ -434,8 +495,12 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     sim = tuple(int(d) for d in dn.start_index_map)
     n_off = len(dn.offset_dims)
     ok = (
-        isinstance(table, Var) and len(table.shape) >= 1 and sizes[0] == 1
-        and sizes[1:] == table.shape[1:] and 0 in sim and not dn.operand_batching_dims
+        isinstance(table, Var)
+        and len(table.shape) >= 1
+        and sizes[0] == 1
+        and sizes[1:] == table.shape[1:]
+        and 0 in sim
+        and not dn.operand_batching_dims
         and tuple(dn.offset_dims) == tuple(range(len(out_shape) - n_off, len(out_shape)))
         and ("FILL" not in mode or sim == (0,))
     )
@@ -450,12 +515,20 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     if ncols != 1:
         st = (0,) * (len(idx.shape) - 1) + (col,)
         li = (*lead, col + 1)
-        idx = b.emit("slice", [idx], (*lead, 1), idx.dtype, starts=st, limits=li,
-                     strides=(1,) * len(idx.shape))
+        idx = b.emit(
+            "slice",
+            [idx],
+            (*lead, 1),
+            idx.dtype,
+            starts=st,
+            limits=li,
+            strides=(1,) * len(idx.shape),
+        )
     nrows = int(np.prod(lead, dtype=np.int64))
     flat = b.reshape(idx, (nrows,))
     width = int(np.prod(table.shape[1:], dtype=np.int64))
     tab2 = b.reshape(table, (table.shape[0], width))
-    g = b.emit("gather", [tab2, flat], (nrows, width), dt,
-               mode="fill" if "FILL" in mode else "clip")
+    g = b.emit(
+        "gather", [tab2, flat], (nrows, width), dt, mode="fill" if "FILL" in mode else "clip"
+    )
     return [b.reshape(g, out_shape)]

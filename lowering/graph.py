@@ -188,8 +188,10 @@ def _r_reduce(n: Node) -> list:
 def _r_matmul(n: Node) -> list:
     a, b = n.inputs
     _need(len(a.shape) == 3 and len(b.shape) == 3, "matmul takes [B,M,K] x [B,K,N]")
-    _need(a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1],
-          f"matmul shapes {a.shape} x {b.shape}")
+    _need(
+        a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1],
+        f"matmul shapes {a.shape} x {b.shape}",
+    )
     return [((a.shape[0], a.shape[1], b.shape[2]), n.p("dtype"))]
 
 
@@ -210,8 +212,10 @@ def _r_map(n: Node) -> list:
                 _need(0 <= view.starts[j] < max(v.shape[j], 1), "map: view index out of range")
                 continue
             last = view.starts[j] + (body.space[g] - 1) * view.strides[j]
-            _need(body.space[g] == 0 or last < v.shape[j],
-                  f"map: view of dim {j} reads past {v.shape[j]}")
+            _need(
+                body.space[g] == 0 or last < v.shape[j],
+                f"map: view of dim {j} reads past {v.shape[j]}",
+            )
     shape = tuple(body.space[d] for d in body.out_space_dims())
     return [(shape, body.out_dtype)]
 
@@ -247,8 +251,10 @@ def check_graph(g: Graph) -> None:
             got = infer(n)
             _need(len(got) == len(n.outputs), "wrong number of outputs")
             for v, (shape, dt) in zip(n.outputs, got, strict=True):
-                _need(v.shape == tuple(shape) and v.dtype == dt,
-                      f"output {v!r} but the op gives {dt}{list(shape)}")
+                _need(
+                    v.shape == tuple(shape) and v.dtype == dt,
+                    f"output {v!r} but the op gives {dt}{list(shape)}",
+                )
                 check_dtype(v.dtype, f"output {v!r}")
                 _need(v.id not in defined, f"{v!r} defined twice")
                 defined.add(v.id)
@@ -278,7 +284,7 @@ def format_node(n: Node) -> str:
 
 def format_graph(g: Graph) -> str:
     lines = [f"graph {g.name}(" + ", ".join(repr(v) for v in g.inputs) + ") {"]
-    for v, arr in g.consts:
+    for v, _arr in g.consts:
         lines.append(f"  {v!r} = constant")
     for n in g.nodes:
         lines.append("  " + format_node(n))

@@ -49,8 +49,15 @@ def _unit_reshape_view(src: tuple[int, ...], dst: tuple[int, ...]) -> InputView 
     return InputView(tuple(dims), (0,) * r, (1,) * r, (False,) * r)
 
 
-def _map(n: Node, inputs: list[Var], views: list[InputView], program: list, space: tuple,
-         reduce: str = "", axes: tuple[int, ...] = ()) -> Node:
+def _map(
+    n: Node,
+    inputs: list[Var],
+    views: list[InputView],
+    program: list,
+    space: tuple,
+    reduce: str = "",
+    axes: tuple[int, ...] = (),
+) -> Node:
     body = MapBody(tuple(space), tuple(views), tuple(program), reduce, tuple(axes), n.out.dtype)
     return Node("map", tuple(inputs), n.outputs, params(body=body), n.source)
 
@@ -95,18 +102,19 @@ def _single(n: Node) -> Node | None:
         for i, p in enumerate(perm):
             dims[p] = i
         r = len(perm)
-        return _map(n, [x], [InputView(tuple(dims), (0,) * r, (1,) * r, (False,) * r)], copy,
-                    out.shape)
+        return _map(
+            n, [x], [InputView(tuple(dims), (0,) * r, (1,) * r, (False,) * r)], copy, out.shape
+        )
     if op == "slice":
         (x,) = n.inputs
         r = len(x.shape)
-        view = InputView(tuple(range(r)), tuple(n.p("starts")), tuple(n.p("strides")),
-                         (False,) * r)
+        view = InputView(tuple(range(r)), tuple(n.p("starts")), tuple(n.p("strides")), (False,) * r)
         return _map(n, [x], [view], copy, out.shape)
     if op == "reduce":
         (x,) = n.inputs
-        return _map(n, [x], [InputView.identity(len(x.shape))], copy, x.shape,
-                    n.p("kind"), n.p("axes"))
+        return _map(
+            n, [x], [InputView.identity(len(x.shape))], copy, x.shape, n.p("kind"), n.p("axes")
+        )
     if op == "reshape":
         (x,) = n.inputs
         if is_free_reshape(x.shape, out.shape, x.dtype):
@@ -196,15 +204,20 @@ def _dedupe(n: Node) -> Node:
         return remap[r] if r < nin_old else r - nin_old + nin
 
     prog = tuple((o, tuple(reg(a) for a in args), p, dt) for o, args, p, dt in b.program)
-    body = MapBody(b.space, tuple(b.views[i] for i in keep), prog, b.reduce, b.reduce_axes,
-                   b.out_dtype)
+    body = MapBody(
+        b.space, tuple(b.views[i] for i in keep), prog, b.reduce, b.reduce_axes, b.out_dtype
+    )
     return Node("map", tuple(n.inputs[i] for i in keep), n.outputs, params(body=body), n.source)
 
 
 def _is_view_only(n: Node) -> bool:
     b: MapBody = n.p("body")
-    return len(b.program) == 1 and b.program[0][0] == "copy" and not b.reduce and \
-        n.inputs[0].dtype == n.out.dtype
+    return (
+        len(b.program) == 1
+        and b.program[0][0] == "copy"
+        and not b.reduce
+        and n.inputs[0].dtype == n.out.dtype
+    )
 
 
 def fuse_maps(g: Graph) -> Graph:

@@ -91,10 +91,15 @@ class _Ctx:
 
 
 def _choose(
-    extents: list[int], cands: list[list[int]], plan_bytes: Callable[[list[int], bool], int],
-    cap: int, ncores: int, what: str, source: str,
+    extents: list[int],
+    cands: list[list[int]],
+    plan_bytes: Callable[[list[int], bool], int],
+    cap: int,
+    ncores: int,
+    what: str,
+    source: str,
 ) -> list[int]:
-    """Blocks per dim: enough tiles for the cores, largest tiles that fit (outer dims split first)."""
+    """Blocks per dim: enough tiles for the cores, the largest that fit (outer dims first)."""
     blocks = [max(c) for c in cands]
 
     def tiles(bl: list[int]) -> int:
@@ -127,7 +132,10 @@ def _choose(
 
 
 def _tables(
-    grid: tuple[int, ...], operands: list[Operand], layouts: list[TensorLayout], ncores: int,
+    grid: tuple[int, ...],
+    operands: list[Operand],
+    layouts: list[TensorLayout],
+    ncores: int,
     reduce_axis: int = -1,
 ) -> tuple:
     """Build loads/ring/stores/first/last for ``operands`` (the last is the output)."""
@@ -136,8 +144,11 @@ def _tables(
     ntiles = math.prod(par_grid)
     nk = grid[reduce_axis] if reduce_axis >= 0 else 1
     psteps = -(-ntiles // ncores)
-    coords_par = np.array(np.unravel_index(np.arange(ntiles), par_grid)).T if par_grid else \
-        np.zeros((ntiles, 0), np.int64)
+    coords_par = (
+        np.array(np.unravel_index(np.arange(ntiles), par_grid)).T
+        if par_grid
+        else np.zeros((ntiles, 0), np.int64)
+    )
 
     def block_index(op: Operand, lay: TensorLayout, coord: dict[int, int]) -> int:
         nb = blocks_of(lay.device_shape, op.block)
@@ -199,8 +210,11 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
     out_v = n.out
     out_lay = ctx.layout(out_v)
     out_dims = body.out_space_dims()
-    reduced = set(range(r)) - set(out_dims) if body.reduce not in ("cumsum", "cumsum_rev") \
+    reduced = (
+        set(range(r)) - set(out_dims)
+        if body.reduce not in ("cumsum", "cumsum_rev")
         else set(body.reduce_axes)
+    )
     # which tensors map onto each space dim, and with what device extent
     ext: dict[int, set[int]] = {g: set() for g in range(r)}
     quant: dict[int, int] = dict.fromkeys(range(r), 1)
@@ -238,8 +252,9 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
                 tiled = g >= 0 and tileable[g] and view.is_plain(j)
                 blk.append(bl[g] if tiled else lay.device_shape[j])
             in_blocks.append(tuple(blk) if lay.shape else lay.device_shape)
-        ob = tuple(bl[g] if tileable[g] else out_lay.device_shape[i]
-                   for i, g in enumerate(out_dims))
+        ob = tuple(
+            bl[g] if tileable[g] else out_lay.device_shape[i] for i, g in enumerate(out_dims)
+        )
         return in_blocks, (ob if out_lay.shape else out_lay.device_shape)
 
     def plan(bl: list[int], multi: bool) -> int:
@@ -253,16 +268,26 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
     space_block = tuple(bl[g] if tileable[g] else space[g] for g in range(r))
     inputs = []
     for i, (v, view, blk) in enumerate(zip(n.inputs, body.views, ib, strict=True)):
-        gd = tuple(g if g >= 0 and tileable[g] and view.is_plain(j) else -1
-                   for j, g in enumerate(view.dims)) if v.shape else (-1,)
+        gd = (
+            tuple(
+                g if g >= 0 and tileable[g] and view.is_plain(j) else -1
+                for j, g in enumerate(view.dims)
+            )
+            if v.shape
+            else (-1,)
+        )
         inputs.append(Operand(ctx.name(v), blk, gd, f"in{i}"))
     ogd = tuple(g if tileable[g] else -1 for g in out_dims) if out_v.shape else (-1,)
     output = Operand(ctx.name(out_v), ob, ogd, "out")
     ntiles = math.prod(grid)
     slots = 2 if ntiles > ctx.ncores else 1
-    scratch = _sp_plan([(f"in{i}", op.block, lay.dtype, slots)
-                        for i, (op, lay) in enumerate(zip(inputs, in_lays, strict=True))]
-                       + [("out", ob, out_lay.dtype, slots)])
+    scratch = _sp_plan(
+        [
+            (f"in{i}", op.block, lay.dtype, slots)
+            for i, (op, lay) in enumerate(zip(inputs, in_lays, strict=True))
+        ]
+        + [("out", ob, out_lay.dtype, slots)]
+    )
     tabs = _tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
     elems = math.prod(space)
     sfu = 0
@@ -271,9 +296,20 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
             sfu += elems * (ctx.card.sfu_ops_per_elem_transcendental if op in TRANSCENDENTAL else 1)
     if body.reduce:
         sfu += elems
-    return Stage(f"s{len(ctx.stages)}", "map", grid, -1, tuple(inputs), output, scratch,
-                 (("SFU", "map", (body, space_block)),), *tabs, flops=0, sfu_elem_ops=sfu,
-                 source=n.source)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "map",
+        grid,
+        -1,
+        tuple(inputs),
+        output,
+        scratch,
+        (("SFU", "map", (body, space_block)),),
+        *tabs,
+        flops=0,
+        sfu_elem_ops=sfu,
+        source=n.source,
+    )
 
 
 def _describe(body: MapBody) -> str:
@@ -287,8 +323,11 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     B, M, K = a.shape
     N = b.shape[2]
     Kp, Np = la.device_shape[2], lb.device_shape[2]
-    tn_c = _cands(Np, math.lcm(lb.elems_per_stick, lo.elems_per_stick)) \
-        if Np == lo.device_shape[2] else [Np]
+    tn_c = (
+        _cands(Np, math.lcm(lb.elems_per_stick, lo.elems_per_stick))
+        if Np == lo.device_shape[2]
+        else [Np]
+    )
     if Np != lo.device_shape[2]:
         raise TilingError("matmul rhs and output stick padding differ")  # pragma: no cover
     tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
@@ -302,14 +341,19 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
         steps = -(-ntiles // ctx.ncores) * gk
         slots = 2 if steps > 1 else 1
         tkp = Kp if tk == K else tk
-        plan = _plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots) + \
-            _plan_bytes([((1, tm, tn), lo.dtype)], slots) + _plan_bytes([((1, tm, tn), "float32")], 1)
+        plan = (
+            _plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots)
+            + _plan_bytes([((1, tm, tn), lo.dtype)], slots)
+            + _plan_bytes([((1, tm, tn), "float32")], 1)
+        )
         if plan > ctx.cap:
             continue
         per_step_tiles = min(ntiles, ctx.ncores)
         uniq_a = min(per_step_tiles, max(1, -(-per_step_tiles // gn)))
         uniq_b = min(per_step_tiles, gn)
-        load = (uniq_a * tm * tkp * la.itemsize + uniq_b * tk * tn * lb.itemsize) / card.device_memory_bw
+        load = (
+            uniq_a * tm * tkp * la.itemsize + uniq_b * tk * tn * lb.itemsize
+        ) / card.device_memory_bw
         comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
         est = load + (steps - 1) * max(load, comp) + comp + steps * 1e-7
         cands_all.append((est, steps, tm, tn, tk))
@@ -322,7 +366,8 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     if best is None:
         raise TilingError(
             f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
-            f"({ctx.cap} B per core)" + (f"\n  at: {n.source}" if n.source else ""))
+            f"({ctx.cap} B per core)" + (f"\n  at: {n.source}" if n.source else "")
+        )
     _, tm, tn, tk = best
     gm, gn, gk = M // tm, Np // tn, K // tk
     grid = (B, gm, gn, gk)
@@ -336,17 +381,33 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     out = Operand(ctx.name(n.out), (1, tm, tn), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 2 if steps > 1 else 1
-    scratch = _sp_plan([("lhs", lhs.block, la.dtype, slots), ("rhs", rhs.block, lb.dtype, slots),
-                        ("acc", (1, tm, tn), "float32", 1), ("out", out.block, lo.dtype, slots)])
+    scratch = _sp_plan(
+        [
+            ("lhs", lhs.block, la.dtype, slots),
+            ("rhs", rhs.block, lb.dtype, slots),
+            ("acc", (1, tm, tn), "float32", 1),
+            ("out", out.block, lo.dtype, slots),
+        ]
+    )
     tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
-    return Stage(f"s{len(ctx.stages)}", "matmul", grid, 3, (lhs, rhs), out, scratch,
-                 (("PE", "matmul", MatmulBody(K, lo.dtype)),), *tabs,
-                 flops=2 * B * M * N * K, source=n.source)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "matmul",
+        grid,
+        3,
+        (lhs, rhs),
+        out,
+        scratch,
+        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
+        *tabs,
+        flops=2 * B * M * N * K,
+        source=n.source,
+    )
 
 
 def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     table, idx = n.inputs
-    lt, li, lo = ctx.layout(table), ctx.layout(idx), ctx.layout(n.out)
+    li, lo = ctx.layout(idx), ctx.layout(n.out)
     (N,) = idx.shape
     Dp = lo.device_shape[1]
     tr_c = _cands(N, li.elems_per_stick) if li.device_shape[0] == N else [N]
@@ -366,8 +427,18 @@ def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     scratch = _sp_plan([("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)])
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
     body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"))
-    return Stage(f"s{len(ctx.stages)}", "gather", grid, -1, (iop,), out, scratch,
-                 (("LSU", "gather", body),), *tabs, source=n.source)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "gather",
+        grid,
+        -1,
+        (iop,),
+        out,
+        scratch,
+        (("LSU", "gather", body),),
+        *tabs,
+        source=n.source,
+    )
 
 
 def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
@@ -386,8 +457,10 @@ def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
     def plan(bl: list[int], multi: bool) -> int:
         ro = bl[0]
         ri = ro * l_out // l_in
-        return _plan_bytes([((ri, li.device_shape[1]), x.dtype),
-                            ((ro, lo.device_shape[1]), x.dtype)], 2 if multi else 1)
+        return _plan_bytes(
+            [((ri, li.device_shape[1]), x.dtype), ((ro, lo.device_shape[1]), x.dtype)],
+            2 if multi else 1,
+        )
 
     (ro,) = _choose([r_out], [cands], plan, ctx.cap, ctx.ncores, "reshape", n.source)
     ri = ro * l_out // l_in
@@ -397,8 +470,18 @@ def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
     slots = 2 if grid[0] > ctx.ncores else 1
     scratch = _sp_plan([("in", iop.block, x.dtype, slots), ("out", out.block, x.dtype, slots)])
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    return Stage(f"s{len(ctx.stages)}", "reshape", grid, -1, (iop,), out, scratch,
-                 (("LSU", "reshape", ReshapeBody(l_in, l_out)),), *tabs, source=n.source)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "reshape",
+        grid,
+        -1,
+        (iop,),
+        out,
+        scratch,
+        (("LSU", "reshape", ReshapeBody(l_in, l_out)),),
+        *tabs,
+        source=n.source,
+    )
 
 
 def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
@@ -412,8 +495,10 @@ def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
     cands = _divisors(e0) if tile0 else [1]
 
     def blocks(b0: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
-        ib = [tuple(b0 if (d == 0 and tile0) else lay.device_shape[d] for d in range(r))
-              for lay in lays]
+        ib = [
+            tuple(b0 if (d == 0 and tile0) else lay.device_shape[d] for d in range(r))
+            for lay in lays
+        ]
         ob = tuple(b0 if (d == 0 and tile0) else lo.device_shape[d] for d in range(r))
         return ib, ob
 
@@ -426,21 +511,41 @@ def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
     ib, ob = blocks(b0)
     grid = (e0 // b0,)
     gd = tuple(0 if (d == 0 and tile0) else -1 for d in range(r))
-    inputs = [Operand(ctx.name(v), b, gd, f"in{i}")
-              for i, (v, b) in enumerate(zip(n.inputs, ib, strict=True))]
+    inputs = [
+        Operand(ctx.name(v), b, gd, f"in{i}")
+        for i, (v, b) in enumerate(zip(n.inputs, ib, strict=True))
+    ]
     out = Operand(ctx.name(n.out), ob, gd, "out")
     slots = 2 if grid[0] > ctx.ncores else 1
-    scratch = _sp_plan([(f"in{i}", op.block, lay.dtype, slots)
-                        for i, (op, lay) in enumerate(zip(inputs, lays, strict=True))]
-                       + [("out", ob, lo.dtype, slots)])
+    scratch = _sp_plan(
+        [
+            (f"in{i}", op.block, lay.dtype, slots)
+            for i, (op, lay) in enumerate(zip(inputs, lays, strict=True))
+        ]
+        + [("out", ob, lo.dtype, slots)]
+    )
     tabs = _tables(grid, [*inputs, out], [*lays, lo], ctx.ncores)
     body = ConcatBody(ax, tuple(v.shape[ax] for v in n.inputs))
-    return Stage(f"s{len(ctx.stages)}", "concat", grid, -1, tuple(inputs), out, scratch,
-                 (("LSU", "concat", body),), *tabs, source=n.source)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "concat",
+        grid,
+        -1,
+        tuple(inputs),
+        out,
+        scratch,
+        (("LSU", "concat", body),),
+        *tabs,
+        source=n.source,
+    )
 
 
-_BUILDERS = {"map": _map_stage, "matmul": _matmul_stage, "gather": _gather_stage,
-             "concatenate": _concat_stage}
+_BUILDERS = {
+    "map": _map_stage,
+    "matmul": _matmul_stage,
+    "gather": _gather_stage,
+    "concatenate": _concat_stage,
+}
 
 
 def schedule(g: Graph, card: CardSpec) -> Kernel:
@@ -474,5 +579,13 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         if ctx.decls[nm].role == "temp":
             ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "output")
     inputs = tuple(ctx.name(v) for v in g.inputs) + tuple(ctx.name(v) for v, _ in g.consts)
-    return Kernel(g.name, tuple(ctx.decls.values()), tuple(ctx.stages), inputs, tuple(outs),
-                  tuple(ctx.aliases), card.num_cores, ctx.cap)
+    return Kernel(
+        g.name,
+        tuple(ctx.decls.values()),
+        tuple(ctx.stages),
+        inputs,
+        tuple(outs),
+        tuple(ctx.aliases),
+        card.num_cores,
+        ctx.cap,
+    )

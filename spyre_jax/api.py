@@ -26,8 +26,9 @@ __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
 
 def _is_array_leaf(x: Any) -> bool:
-    return isinstance(x, Array | np.ndarray | np.generic | jax.Array | float | int | bool) \
-        and not isinstance(x, str)
+    return isinstance(
+        x, Array | np.ndarray | np.generic | jax.Array | float | int | bool
+    ) and not isinstance(x, str)
 
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
@@ -79,7 +80,9 @@ class Compiled:
         return format_kernel(self.kernel)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("call the jitted function, or Compiled.call(flat_leaves)")  # pragma: no cover
+        raise TypeError(
+            "call the jitted function, or Compiled.call(flat_leaves)"
+        )  # pragma: no cover
 
     def _run(self, leaves: list[Any]) -> Any:
         rt = self._rt
@@ -100,8 +103,10 @@ class Compiled:
                     rt.memory.free(a)
                 raise
             rt.memory.free(addrs[-1])  # the workspace of intermediates
-            arrays = [new_array(rt, a, lay, o)
-                      for a, lay, o in zip(addrs[:-1], self._out_layouts, outs, strict=True)]
+            arrays = [
+                new_array(rt, a, lay, o)
+                for a, lay, o in zip(addrs[:-1], self._out_layouts, outs, strict=True)
+            ]
         finally:
             for t in temps:
                 t.delete()
@@ -111,8 +116,9 @@ class Compiled:
 class Lowered:
     """A traced and lowered function: the graph IR and the schedule, not yet compiled to JAX."""
 
-    def __init__(self, jitted: Jitted, key: Any, graph: Graph, kernel: Kernel, out_tree: Any,
-                 t0: float):
+    def __init__(
+        self, jitted: Jitted, key: Any, graph: Graph, kernel: Kernel, out_tree: Any, t0: float
+    ):
         self._jitted, self._key = jitted, key
         self.graph, self.kernel, self._out_tree, self._t0 = graph, kernel, out_tree, t0
 
@@ -134,7 +140,9 @@ class Lowered:
 class Jitted:
     """The result of :func:`jit`: callable, with ``.lower(*args)`` and a per-signature cache."""
 
-    def __init__(self, fun: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str]):
+    def __init__(
+        self, fun: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str]
+    ):
         self.fun = fun
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
         self.static_argnames = tuple(static_argnames)
@@ -190,8 +198,10 @@ class Jitted:
             out_store["tree"] = out_tree
             return flat
 
-        specs = [jax.ShapeDtypeStruct(s, np.dtype(d) if d != "bfloat16" else jax.numpy.bfloat16)
-                 for s, d in avals]
+        specs = [
+            jax.ShapeDtypeStruct(s, np.dtype(d) if d != "bfloat16" else jax.numpy.bfloat16)
+            for s, d in avals
+        ]
         self.trace_count += 1
         closed = jax.make_jaxpr(flat_fun)(*specs)
         name = getattr(self.fun, "__name__", "fn")
@@ -221,12 +231,17 @@ def _check_fits(graph: Graph) -> None:
     for v in values:
         need = layout_for(v.shape, v.dtype).nbytes
         if need > st["bytes_limit"]:
-            raise DeviceOOMError(need, st["bytes_in_use"], st["bytes_limit"],
-                                 st["largest_free_block"])
+            raise DeviceOOMError(
+                need, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"]
+            )
 
 
-def jit(fun: Callable | None = None, *, static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = ()) -> Any:
+def jit(
+    fun: Callable | None = None,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+) -> Any:
     """Compile ``fun`` for the simulated Spyre card, like ``jax.jit``.
 
     Pytrees in and out; compiled once per argument shapes, dtypes and static values (a second

@@ -14,8 +14,9 @@ import numpy as np
 __all__ = ["main", "demo_block", "bench_sim"]
 
 
-def demo_block(seq: int = 128, width: int = 256, heads: int = 4, dtype: str = "float16",
-               seed: int = 0) -> tuple[Callable, Any, np.ndarray]:
+def demo_block(
+    seq: int = 128, width: int = 256, heads: int = 4, dtype: str = "float16", seed: int = 0
+) -> tuple[Callable, Any, np.ndarray]:
     """An equinox GPT-style block with random weights: ``(fn, params, x)``; ``fn(params, x)``."""
     import equinox as eqx
     import jax
@@ -82,9 +83,12 @@ def run_demo(out: Any = sys.stdout) -> dict[str, Any]:
         ("simulated time on the card", f"{ca['sim_time_us']:.1f} us"),
         ("  compute / memory (summed)", f"{ca['compute_us']:.1f} us / {ca['memory_us']:.1f} us"),
         ("cores used", f"{ca['cores_used']} of {spyre_jax.CardSpec().num_cores}"),
-        ("scratchpad peak (fullest core)",
-         f"{_fmt_bytes(ca['scratchpad_peak_bytes'])} of {_fmt_bytes(ca['scratchpad_usable_bytes'])}"
-         " usable"),
+        (
+            "scratchpad peak (fullest core)",
+            f"{_fmt_bytes(ca['scratchpad_peak_bytes'])} of "
+            f"{_fmt_bytes(ca['scratchpad_usable_bytes'])}"
+            " usable",
+        ),
         ("padding waste in device memory", _fmt_bytes(ca["padding_bytes"])),
         ("device-memory traffic", _fmt_bytes(ca["device_bytes"])),
         ("ring traffic", _fmt_bytes(ca["ring_bytes"])),
@@ -156,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(res))
         else:
             for k, v in res.items():
-                print(f"{k:<12} sim {v['sim_s'] * 1e3:8.2f} ms  native {v['native_s'] * 1e3:8.2f} ms"
-                      f"  ratio {v['ratio']:6.2f}  cold {v['cold_compile_s']:.2f} s")
+                print(
+                    f"{k:<12} sim {v['sim_s'] * 1e3:8.2f} ms  native {v['native_s'] * 1e3:8.2f} ms"
+                    f"  ratio {v['ratio']:6.2f}  cold {v['cold_compile_s']:.2f} s"
+                )
         return 0
     return 2  # pragma: no cover
 

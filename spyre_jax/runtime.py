@@ -15,8 +15,17 @@ from device_model.card import DEFAULT_CARD, CardSpec
 from device_model.layout import SUPPORTED_DTYPES, TensorLayout, layout_for, np_dtype
 from device_model.memory import DeviceMemory, DeviceOOMError
 
-__all__ = ["Array", "Device", "device_put", "devices", "memory_stats", "runtime", "set_card",
-           "host_dtype", "DeviceOOMError"]
+__all__ = [
+    "Array",
+    "Device",
+    "device_put",
+    "devices",
+    "memory_stats",
+    "runtime",
+    "set_card",
+    "host_dtype",
+    "DeviceOOMError",
+]
 
 
 class Runtime:
@@ -151,8 +160,9 @@ class Array:
 
     def _buffer(self) -> jax.Array:
         if not self._fin.alive:
-            raise RuntimeError(f"Array has been deleted with shape={self._layout.dtype}"
-                               f"{list(self.shape)}.")
+            raise RuntimeError(
+                f"Array has been deleted with shape={self._layout.dtype}{list(self.shape)}."
+            )
         return self._rt.memory.load(self._addr)
 
     def block_until_ready(self) -> Array:
@@ -200,7 +210,8 @@ def device_put(x: Any, device: Device | None = None) -> Array:
     if np.iscomplexobj(x) or (hasattr(x, "dtype") and np.dtype(x.dtype).kind == "c"):
         raise TypeError(
             f"spyre: dtype {np.asarray(x).dtype.name} is not supported on the card; "
-            f"supported dtypes: {', '.join(SUPPORTED_DTYPES)}")
+            f"supported dtypes: {', '.join(SUPPORTED_DTYPES)}"
+        )
     if isinstance(x, float) and not hasattr(x, "dtype"):
         x = np.float32(x)
     elif isinstance(x, bool):
