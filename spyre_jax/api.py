@@ -26,9 +26,8 @@ __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
 
 def _is_array_leaf(x: Any) -> bool:
-    return isinstance(
-        x, Array | np.ndarray | np.generic | jax.Array | float | int | bool
-    ) and not isinstance(x, str)
+    """Arrays are traced; Python scalars and other leaves are static (as ``eqx.filter_jit``)."""
+    return isinstance(x, Array | np.ndarray | np.generic | jax.Array)
 
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
