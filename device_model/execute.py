@@ -65,8 +65,6 @@ def _to_bytes(tile: jax.Array) -> jax.Array:
     c = tile.shape[0]
     if tile.dtype == jnp.bool_:
         return tile.astype(jnp.uint8).reshape(c, -1)
-    if tile.dtype.itemsize == 1:
-        return lax.bitcast_convert_type(tile, jnp.uint8).reshape(c, -1)
     return lax.bitcast_convert_type(tile, jnp.uint8).reshape(c, -1)
 
 

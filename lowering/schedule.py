@@ -323,13 +323,14 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     B, M, K = a.shape
     N = b.shape[2]
     Kp, Np = la.device_shape[2], lb.device_shape[2]
-    tn_c = (
-        _cands(Np, math.lcm(lb.elems_per_stick, lo.elems_per_stick))
-        if Np == lo.device_shape[2]
-        else [Np]
-    )
     if Np != lo.device_shape[2]:
-        raise TilingError("matmul rhs and output stick padding differ")  # pragma: no cover
+        # not yet supported: an output whose dtype pads N to a different stick multiple
+        raise TilingError(
+            f"spyre: matmul {a.shape}x{b.shape} -> {lo.dtype}: rhs ({lb.dtype}) and output pad N "
+            f"to different sticks ({Np} vs {lo.device_shape[2]})"
+            + (f"\n  at: {n.source}" if n.source else "")
+        )
+    tn_c = _cands(Np, math.lcm(lb.elems_per_stick, lo.elems_per_stick))
     tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
     tm_c = _divisors(M)
     card = ctx.card
