@@ -1,20 +1,36 @@
 """The card as one vectorized JAX program: every stage of a kernel over all 32 cores at once.
 
 ``build_runner(kernel)`` turns a :class:`~device_model.kernel.Kernel` into one ``jax.jit``-ed
-function from the kernel's input device buffers to its output device buffers. Inside, each stage
-keeps a real scratchpad: a ``[cores, planned bytes]`` uint8 array that starts as all-ones bytes
-(NaN for every float type: uninitialized scratchpad reads as NaN), receives whole stick blocks from
-device memory by the load table, forwards blocks core to core by the ring table, is read (bitcast
-to the tile's dtype) by the compute units, and is the source of every store. Cores are an array
-axis; steps are unrolled when few and a ``lax.scan`` otherwise, so no Python loop runs over cores
-or tiles at run time. The semantics of the compute are ``device_model.ops``, shared with the
-NumPy reference evaluator (``device_model.reference``).
+function from the kernel's input device buffers to its output device buffers.
+
+Scratchpads. Every stage's buffer plan (:class:`~device_model.kernel.SpBuf`: name, offset, slots,
+block, dtype; the checker proves the buffers are stick-aligned, disjoint and within the usable
+scratchpad) is held as one typed array per planned buffer, ``[rows, slots, *block]``: the bytes
+``[offset, offset + nbytes)`` of each core's scratchpad seen in the buffer's dtype. Every buffer
+starts filled with all-ones bytes, which read as NaN in every float type (uninitialized scratchpad
+reads as NaN; -1 for int32, True for bool). Data really passes through them: the load units copy
+whole stick blocks from device memory into them by the load table, the compute units read only
+them and write their results into them, and the store units copy output blocks from them back.
+
+Ring forwarding is copy-on-write. When a stage's ring table is the same at every step (the usual
+case: core ``c`` always receives operand ``i`` from the same core ``s``), a receiving core's copy
+of the block is byte-identical to its source's, so the buffer keeps one row per *loading* core and
+a static map ``core -> row``; receivers read the source's row. A ring table that changes from
+step to step is executed by materializing every forwarded copy. Either way the values each core
+computes on are the ones the ring table implies (``device_model.reference`` checks this against a
+per-core NumPy interpreter).
+
+The PE step of a matmul stage runs as one GEMM per group of cores that share an operand block
+(stacked along M when they share the rhs, along N when they share the lhs). Cores are an array
+axis; steps are unrolled when few and a ``lax.scan`` otherwise, so no Python loop runs over
+cores or tiles at run time. The semantics of every compute body are ``device_model.ops``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,13 +39,18 @@ import numpy as np
 from jax import lax
 
 from . import ops
-from .kernel import Kernel, Operand, Stage, blocks_of
-from .layout import DTYPES, np_dtype
+from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of
+from .layout import np_dtype
 
-__all__ = ["build_runner", "to_blocks", "from_blocks", "UNROLL_STEPS"]
+__all__ = ["build_runner", "run_kernel", "run_stage", "to_blocks", "from_blocks", "UNROLL_STEPS"]
 
 #: stages with at most this many steps are unrolled; longer ones run as a lax.scan
 UNROLL_STEPS = 4
+
+#: XLA options for the card program. LLVM's backend optimization level 1 instead of the default
+#: 2 cuts cold compile of a transformer block by ~40% with no measurable loss of run speed (the
+#: heavy work is GEMMs, done by XLA's runtime library either way); see ``bench sim``.
+COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
 
 
 def to_blocks(xp: Any, arr: Any, block: tuple[int, ...]) -> Any:
@@ -43,7 +64,10 @@ def to_blocks(xp: Any, arr: Any, block: tuple[int, ...]) -> Any:
         inter += [n, b]
     x = arr.reshape(inter)
     r = len(shape)
-    x = xp.transpose(x, [2 * i for i in range(r)] + [2 * i + 1 for i in range(r)])
+    perm = [2 * i for i in range(r)] + [2 * i + 1 for i in range(r)]
+    moved = [p for p in perm if x.shape[p] != 1]
+    if moved != sorted(moved):  # only a real transpose when non-trivial axes change order
+        x = xp.transpose(x, perm)
     return x.reshape((math.prod(nb), *block))
 
 
@@ -57,192 +81,292 @@ def from_blocks(xp: Any, blocks: Any, device_shape: tuple[int, ...], block: tupl
     perm = []
     for i in range(r):
         perm += [i, r + i]
-    x = xp.transpose(x, perm)
+    moved = [p for p in perm if x.shape[p] != 1]
+    if moved != sorted(moved):
+        x = xp.transpose(x, perm)
     return x.reshape(device_shape)
 
 
-def _to_bytes(tile: jax.Array) -> jax.Array:
-    c = tile.shape[0]
-    if tile.dtype == jnp.bool_:
-        return tile.astype(jnp.uint8).reshape(c, -1)
-    return lax.bitcast_convert_type(tile, jnp.uint8).reshape(c, -1)
-
-
-def _from_bytes(b: jax.Array, block: tuple[int, ...], dtype: str) -> jax.Array:
-    c = b.shape[0]
+def uninit_value(dtype: str) -> Any:
+    """What an all-ones-bytes (never written) scratchpad word reads as in ``dtype``."""
     if dtype == "bool":
-        return (b != 0).reshape((c, *block))
-    isz = DTYPES[dtype]
-    return lax.bitcast_convert_type(b.reshape(c, -1, isz), np_dtype(dtype)).reshape((c, *block))
+        return True
+    if dtype == "int32":
+        return -1
+    return np.nan
 
 
-class _Scratchpad:
-    """Reads and writes of named buffers in the ``[cores, bytes]`` scratchpad array."""
+# ---------------------------------------------------------------------------------------------
+# the static plan of a stage: which core's copy of each buffer lives in which row
 
-    def __init__(self, stage: Stage, ncores: int):
-        self.stage = stage
-        self.arr = jnp.full((ncores, max(stage.sp_peak_bytes, 128)), 0xFF, jnp.uint8)
 
-    def _span(self, name: str, slot: Any) -> tuple[Any, int]:
-        b = self.stage.sp(name)
-        n = math.prod(b.block) * DTYPES[b.dtype]
-        if isinstance(slot, int | np.integer):
-            return b.offset + int(slot) * b.slot_bytes, n
-        return b.offset + slot * b.slot_bytes, n
+@dataclass(frozen=True)
+class _BufPlan:
+    """How one input buffer is held: ``rows[c]`` is the storage row core ``c`` reads.
 
-    def read_bytes(self, name: str, slot: Any) -> jax.Array:
-        off, n = self._span(name, slot)
-        if isinstance(off, int):
-            return self.arr[:, off : off + n]
-        return lax.dynamic_slice_in_dim(self.arr, off, n, axis=1)
+    ``loaders`` are the cores with a row of their own (storage row ``k`` is core
+    ``loaders[k]``'s); ``nan_row`` (if not None) is a row never written, read by cores that never
+    hold the operand. ``lazy`` says ring transfers are resolved through ``rows`` (no copy);
+    otherwise storage has one row per core and forwarded blocks are copied.
+    """
 
-    def write_bytes(self, name: str, slot: Any, data: jax.Array) -> None:
-        off, n = self._span(name, slot)
-        if isinstance(off, int):
-            self.arr = self.arr.at[:, off : off + n].set(data)
+    lazy: bool
+    loaders: np.ndarray
+    rows: np.ndarray
+    nrows: int
+    nan_row: int | None
+
+
+def _plan_input(loads: np.ndarray, ring: np.ndarray, ncores: int) -> _BufPlan:
+    """``loads``/``ring``: ``[steps, cores]`` tables of one input."""
+    const_ring = bool((ring == ring[:1]).all())
+    lazy = const_ring and not ((ring >= 0) & (loads >= 0)).any()
+    if not lazy:
+        return _BufPlan(False, np.arange(ncores), np.arange(ncores), ncores, None)
+    loaders = np.flatnonzero((loads >= 0).any(axis=0))
+    row_of = {int(c): k for k, c in enumerate(loaders)}
+    nan_row = len(loaders) if len(loaders) < ncores else None
+    rows = np.empty(ncores, np.int64)
+    r0 = ring[0]
+    for c in range(ncores):
+        owner = int(r0[c]) if r0[c] >= 0 else c
+        if owner in row_of:
+            rows[c] = row_of[owner]
         else:
-            self.arr = lax.dynamic_update_slice_in_dim(self.arr, data, off, axis=1)
+            rows[c] = nan_row if nan_row is not None else 0
+    nrows = len(loaders) + (1 if nan_row is not None else 0)
+    return _BufPlan(True, loaders, rows, nrows, nan_row)
+
+
+class _Buffers:
+    """The scratchpad buffers of one stage on all cores (see the module docstring)."""
+
+    def __init__(self, stage: Stage, ncores: int, plans: dict[str, _BufPlan]):
+        self.ncores = ncores
+        self.plans = plans
+        self.data: dict[str, jax.Array] = {}
+        for b in stage.scratch:
+            p = plans.get(b.name)
+            nrows = p.nrows if p is not None else ncores
+            self.data[b.name] = _fresh(b, nrows)
+
+    def rows(self, name: str) -> np.ndarray | None:
+        p = self.plans.get(name)
+        if p is None or (p.rows == np.arange(self.ncores)).all():
+            return None
+        return p.rows
 
     def read(self, name: str, slot: Any) -> jax.Array:
-        b = self.stage.sp(name)
-        return _from_bytes(self.read_bytes(name, slot), b.block, b.dtype)
+        """Every core's view of one slot: ``[cores, *block]``."""
+        x = _slot(self.data[name], slot)
+        r = self.rows(name)
+        return x if r is None else x[r]
+
+    def read_rows(self, name: str, slot: Any) -> jax.Array:
+        """The stored rows of one slot (one per loading core): ``[rows, *block]``."""
+        return _slot(self.data[name], slot)
+
+    def write_rows(self, name: str, slot: Any, tile: jax.Array) -> None:
+        """Write the first ``len(tile)`` stored rows of one slot."""
+        arr = self.data[name]
+        n = tile.shape[0]
+        if n == arr.shape[0]:
+            self.write(name, slot, tile)
+            return
+        tile = tile.astype(arr.dtype)[:, None]
+        if arr.shape[1] == 1:
+            self.data[name] = arr.at[:n].set(tile)
+        else:
+            z = jnp.zeros((), jnp.int32)
+            start = (z, slot if not isinstance(slot, int) else jnp.int32(slot)) + (z,) * (
+                arr.ndim - 2
+            )
+            self.data[name] = lax.dynamic_update_slice(arr, tile, start)
 
     def write(self, name: str, slot: Any, tile: jax.Array) -> None:
-        self.write_bytes(name, slot, _to_bytes(tile))
+        arr = self.data[name]
+        self.data[name] = _set_slot(arr, slot, tile.astype(arr.dtype))
+
+
+def _fresh(b: SpBuf, rows: int) -> jax.Array:
+    return jnp.full((rows, b.slots, *b.block), uninit_value(b.dtype), np_dtype(b.dtype))
+
+
+def _slot(arr: jax.Array, slot: Any) -> jax.Array:
+    if arr.shape[1] == 1:
+        return arr[:, 0]
+    if isinstance(slot, int | np.integer):
+        return arr[:, int(slot)]
+    return lax.dynamic_index_in_dim(arr, slot, axis=1, keepdims=False)
+
+
+def _set_slot(arr: jax.Array, slot: Any, tile: jax.Array) -> jax.Array:
+    if arr.shape[1] == 1:
+        return tile[:, None]
+    if isinstance(slot, int | np.integer):
+        return arr.at[:, int(slot)].set(tile)
+    return lax.dynamic_update_index_in_dim(arr, tile, slot, axis=1)
 
 
 def _static(x: Any) -> bool:
     return isinstance(x, np.ndarray)
 
 
-def _gather_blocks(blocked: jax.Array, idx: Any) -> jax.Array:
+def _take_blocks(blocked: jax.Array, idx: Any) -> jax.Array:
+    """Blocks ``idx`` (one per row; -1 entries are fetched clamped and masked by the caller)."""
+    nb = blocked.shape[0]
     if _static(idx):
-        nb = blocked.shape[0]
         safe = np.clip(idx, 0, nb - 1)
         if nb == len(safe) and (safe == np.arange(nb)).all():
             return blocked
         if (safe == safe[0]).all():
             return jnp.broadcast_to(blocked[int(safe[0])], (len(safe), *blocked.shape[1:]))
         return blocked[safe]
-    return blocked[jnp.clip(idx, 0, blocked.shape[0] - 1)]
+    return blocked[jnp.clip(idx, 0, nb - 1)]
 
 
-def _load(sp: _Scratchpad, op: Operand, blocked: jax.Array, idx: Any, ring: Any, slot: Any) -> None:
+def _load(bufs: _Buffers, op: Operand, blocked: jax.Array, idx: Any, ring: Any, slot: Any) -> None:
     """Load-unit step for one operand: device blocks -> scratchpad, then ring forwarding."""
-    if _static(idx) and (idx < 0).all() and (ring < 0).all():
+    p = bufs.plans[op.sp]
+    if p.lazy:
+        idx = idx[p.loaders]
+        if _static(idx) and (idx < 0).all():
+            return
+        new = _take_blocks(blocked, idx)
+        if not (_static(idx) and (idx >= 0).all()):
+            old = bufs.read_rows(op.sp, slot)[: len(p.loaders)]
+            new = jnp.where(_bmask(idx >= 0, new), new, old)
+        bufs.write_rows(op.sp, slot, new)  # the never-written row (if any) keeps its bytes
         return
-    tiles = _gather_blocks(blocked, idx)
-    data = _to_bytes(tiles)
-    if _static(idx) and (idx >= 0).all():
-        sp.write_bytes(op.sp, slot, data)
-    else:
-        cur = sp.read_bytes(op.sp, slot)
-        data = jnp.where(jnp.asarray(idx >= 0)[:, None], data, cur)
-        sp.write_bytes(op.sp, slot, data)
-    if _static(ring) and (ring < 0).all():
+    # materialized: every core has its own copy
+    if _static(idx) and (idx < 0).all() and _static(ring) and (ring < 0).all():
         return
-    region = sp.read_bytes(op.sp, slot)
-    src = np.clip(ring, 0, None) if _static(ring) else jnp.clip(ring, 0, None)
-    recv = region[src]
-    region = jnp.where(jnp.asarray(ring >= 0)[:, None], recv, region)
-    sp.write_bytes(op.sp, slot, region)
+    new = _take_blocks(blocked, idx)
+    if not (_static(idx) and (idx >= 0).all()):
+        new = jnp.where(_bmask(idx >= 0, new), new, bufs.read_rows(op.sp, slot))
+    if not (_static(ring) and (ring < 0).all()):
+        src = np.clip(ring, 0, None) if _static(ring) else jnp.clip(ring, 0, None)
+        new = jnp.where(_bmask(ring >= 0, new), new[src], new)
+    bufs.write(op.sp, slot, new)
+
+
+def _is_arange(idx: np.ndarray, n: int) -> bool:
+    return len(idx) == n and bool((idx == np.arange(n)).all())
+
+
+def _bmask(m: Any, like: jax.Array) -> Any:
+    m = jnp.asarray(m)
+    return m.reshape(m.shape + (1,) * (like.ndim - 1))
 
 
 def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
     nb = out_blocked.shape[0]
+    tile = tile.astype(out_blocked.dtype)
     if _static(idx):
         if len(idx) == nb and (idx == np.arange(nb)).all():
-            return tile.astype(out_blocked.dtype)
+            return tile
         if (idx < 0).all():
             return out_blocked
-        safe = np.where(idx < 0, nb, idx)
-    else:
-        safe = jnp.where(idx < 0, nb, idx)
-    return out_blocked.at[safe].set(tile.astype(out_blocked.dtype), mode="drop")
+        keep = np.flatnonzero(idx >= 0)
+        if len(keep) < len(idx):
+            return out_blocked.at[idx[keep]].set(tile[keep])
+        return out_blocked.at[idx].set(tile)
+    safe = jnp.where(idx < 0, nb, idx)
+    return out_blocked.at[safe].set(tile, mode="drop")
 
 
-def _space_block(stage: Stage) -> tuple[int, ...]:
-    return stage.body[0][2][1]
+# ---------------------------------------------------------------------------------------------
+# compute
 
 
-def _grouped_matmul(lhs: jax.Array, rhs: jax.Array, ring: np.ndarray, loads: np.ndarray) -> Any:
-    """The PE step of all cores, as one GEMM per group of cores that hold the same rhs block.
+def _matmul(bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any) -> jax.Array:
+    """The PE step of every core: fp32 products ``[cores, 1, tm, tn]`` of its lhs and rhs tiles.
 
-    Cores that received their rhs block over the ring from the same source hold byte-identical
-    copies of it (the ring table says so), so their products are computed against the source's
-    scratchpad copy, stacked along M. Same result as per-core products, far fewer XLA dots.
+    Cores reading the same stored rhs row (it reached them over the ring) are stacked along M into
+    one GEMM; cores sharing an lhs row are joined along N. Cores holding no operand (never
+    loaded) compute on uninitialized scratchpad, which is NaN; their results are never stored.
     """
-    from jax import lax
+    c = bufs.ncores
+    pl, pr = bufs.plans[lhs_op.sp], bufs.plans[rhs_op.sp]
+    lhs = bufs.read_rows(lhs_op.sp, slot)  # [rl, 1, tm, tkp]
+    rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn]
+    tm, k, tn = lhs.shape[2], rhs.shape[2], rhs.shape[3]
+    lrows, rrows = pl.rows, pr.rows
+    live = np.asarray([lrows[q] != pl.nan_row and rrows[q] != pr.nan_row for q in range(c)], bool)
+    by_r: dict[int, list[int]] = {}
+    by_l: dict[int, list[int]] = {}
+    for q in np.flatnonzero(live):
+        by_r.setdefault(int(rrows[q]), []).append(int(q))
+        by_l.setdefault(int(lrows[q]), []).append(int(q))
 
-    c = lhs.shape[0]
-    k = rhs.shape[2]
-    owner = np.where(ring >= 0, ring, np.arange(c))
-    groups: dict[int, list[int]] = {}
-    for core in range(c):
-        if loads[core] >= 0 or ring[core] >= 0:
-            groups.setdefault(int(owner[core]), []).append(core)
-    tm = lhs.shape[2]
+    def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+        a, b = lax.optimization_barrier((a, b))  # hand XLA two materialized tiles: its GEMM
+        return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=np.float32)
+
     parts, order = [], []
-    for o, cores in groups.items():
-        a = lhs[np.asarray(cores), 0, :, :k].reshape(len(cores) * tm, k)
-        a, b = lax.optimization_barrier((a, rhs[o, 0]))
-        p = lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=np.float32)
-        parts.append(p.reshape(len(cores), 1, tm, -1))
-        order += cores
-    idle = [core for core in range(c) if core not in set(order)]
+    if by_r and len(by_r) <= len(by_l):
+        for r, cores in by_r.items():
+            li = lrows[np.asarray(cores)]
+            a = lhs if _is_arange(li, lhs.shape[0]) else lhs[li]
+            a = a[:, 0, :, :k].reshape(len(cores) * tm, k)
+            parts.append(dot(a, rhs[r, 0]).reshape(len(cores), 1, tm, tn))
+            order += cores
+    elif by_l:
+        for r, cores in by_l.items():
+            ri = rrows[np.asarray(cores)]
+            b = rhs if _is_arange(ri, rhs.shape[0]) else rhs[ri]
+            b = jnp.moveaxis(b[:, 0], 0, 1).reshape(k, len(cores) * tn)  # [k, n*tn]
+            p = dot(lhs[r, 0, :, :k], b).reshape(tm, len(cores), tn)
+            parts.append(jnp.moveaxis(p, 1, 0)[:, None])
+            order += cores
+    idle = [q for q in range(c) if not live[q]]
     if idle:
-        parts.append(jnp.zeros((len(idle), 1, tm, rhs.shape[3]), jnp.float32))
+        parts.append(jnp.full((len(idle), 1, tm, tn), np.nan, np.float32))
         order += idle
-    out = jnp.concatenate(parts, axis=0)
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     inv = np.argsort(np.asarray(order))
     return out if (inv == np.arange(c)).all() else out[inv]
 
 
 def _compute(
     stage: Stage,
-    sp: _Scratchpad,
+    bufs: _Buffers,
     slot: Any,
-    t_first: Any,
-    decls: dict[str, Any],
+    oslot: Any,
+    first: Any,
     env: dict[str, Any],
+    decls: dict[str, Any],
     store_idx: Any,
-    ring_rows: Any = None,
-    loads_rows: Any = None,
 ) -> None:
     """The PEs/SFUs (and, for gathers, the indirect loads) of one step, scratchpad to scratchpad."""
     unit, kind, params = stage.body[0]
     out = stage.output
     out_layout = decls[out.tensor].layout
+    c = bufs.ncores
     if stage.kind == "map":
         body, space_block = params
-        tiles = [sp.read(op.sp, slot) for op in stage.inputs]
+        tiles = [bufs.read(op.sp, slot) for op in stage.inputs]
         dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        r = ops.run_map(jnp, body, tiles, dts, space_block, sp.arr.shape[0])
+        r = ops.run_map(jnp, body, tiles, dts, space_block, c)
         r = ops.narrow(jnp, r, body.out_dtype)
         want = out.block
         if r.ndim - 1 < len(want):
             r = r.reshape((r.shape[0], *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
-        sp.write(out.sp, slot, ops.fit(jnp, r, want))
+        bufs.write(out.sp, oslot, ops.fit(jnp, r, want))
     elif stage.kind == "matmul":
         body = params
-        lhs = sp.read(stage.inputs[0].sp, slot)
-        rhs = sp.read(stage.inputs[1].sp, slot)
-        acc = sp.read("acc", 0)
-        if ring_rows is not None and _static(ring_rows[1]):
-            prod = _grouped_matmul(lhs, rhs, ring_rows[1], loads_rows[1])
-            acc = (
-                prod
-                if t_first is True
-                else (acc + prod if t_first is False else jnp.where(t_first, prod, acc + prod))
-            )
+        prod = _matmul(bufs, stage.inputs[0], stage.inputs[1], slot)
+        if first is True:
+            acc = prod
         else:
-            acc = ops.run_matmul_step(jnp, acc, lhs, rhs, t_first)
-        sp.write("acc", 0, acc)
+            acc = bufs.read("acc", 0)
+            acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
+        bufs.write("acc", 0, acc)
         r = ops.narrow(jnp, acc, body.out_dtype)
-        sp.write(out.sp, slot, ops.fit(jnp, r, out.block))
+        bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
     elif stage.kind == "gather":
         body = params
-        idx = sp.read(stage.inputs[0].sp, slot).astype(jnp.int32)  # [C, tr]
+        idx = bufs.read(stage.inputs[0].sp, slot).astype(jnp.int32)  # [C, tr]
         table = env[body.table]
         td = out.block[-1]
         ncb = table.shape[-1] // td
@@ -252,26 +376,27 @@ def _compute(
         valid = (idx >= 0) & (idx < body.num_rows)
         rows = t3[jnp.clip(idx, 0, body.num_rows - 1), col[:, None]]  # [C, tr, td]
         if body.mode == "fill":
-            fillv = jnp.nan if rows.dtype.kind == "f" else 0
-            rows = jnp.where(valid[..., None], rows, jnp.asarray(fillv, rows.dtype))
-        sp.write(out.sp, slot, ops.fit(jnp, rows, out.block))
+            fill = getattr(body, "fill_value", None)
+            if fill is None:
+                fill = jnp.nan if rows.dtype.kind == "f" else 0
+            rows = jnp.where(valid[..., None], rows, jnp.asarray(fill).astype(rows.dtype))
+        bufs.write(out.sp, oslot, ops.fit(jnp, rows, out.block))
     elif stage.kind == "reshape":
         body = params
-        x = sp.read(stage.inputs[0].sp, slot)
-        c = x.shape[0]
+        x = bufs.read(stage.inputs[0].sp, slot)
         r_out = out.block[0]
         x = x[:, :, : body.l_in].reshape(c, r_out, body.l_out)
-        sp.write(out.sp, slot, ops.fit(jnp, x, out.block))
+        bufs.write(out.sp, oslot, ops.fit(jnp, x, out.block))
     elif stage.kind == "concat":
         body = params
         parts = []
         for op, n in zip(stage.inputs, body.sizes, strict=True):
-            x = sp.read(op.sp, slot)
+            x = bufs.read(op.sp, slot)
             sl = [slice(None)] * x.ndim
             sl[1 + body.axis] = slice(0, n)
             parts.append(x[tuple(sl)])
         x = jnp.concatenate(parts, axis=1 + body.axis)
-        sp.write(out.sp, slot, ops.fit(jnp, x.astype(np_dtype(out_layout.dtype)), out.block))
+        bufs.write(out.sp, oslot, ops.fit(jnp, x.astype(np_dtype(out_layout.dtype)), out.block))
     else:  # pragma: no cover - the checker rejects unknown kinds
         raise ValueError(f"unknown stage kind {stage.kind}")
 
@@ -292,46 +417,44 @@ def _tables(stage: Stage) -> dict[str, np.ndarray]:
 
 def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: int) -> Any:
     """Execute one stage on the vectorized card; returns the output tensor's device array."""
-    sp = _Scratchpad(stage, ncores)
+    tab = _tables(stage)
+    plans = {
+        op.sp: _plan_input(tab["loads"][:, i], tab["ring"][:, i], ncores)
+        for i, op in enumerate(stage.inputs)
+    }
+    bufs = _Buffers(stage, ncores, plans)
     blocked = [to_blocks(jnp, env[op.tensor], op.block) for op in stage.inputs]
     out = stage.output
     out_layout = decls[out.tensor].layout
     nb_out = math.prod(blocks_of(out_layout.device_shape, out.block))
     out_blocked = jnp.zeros((nb_out, *out.block), np_dtype(out_layout.dtype))
-    tab = _tables(stage)
     T = stage.steps
     nslots = [stage.sp(op.sp).slots for op in stage.inputs]
     oslots = stage.sp(out.sp).slots
 
     def load_step(t: Any, loads: Any, ring: Any) -> None:
         for i, op in enumerate(stage.inputs):
-            slot = t % nslots[i]
-            _load(sp, op, blocked[i], loads[i], ring[i], slot)
+            _load(bufs, op, blocked[i], loads[i], ring[i], t % nslots[i] if nslots[i] > 1 else 0)
 
-    def step(
-        t: Any, stores: Any, first: Any, ob: jax.Array, ring: Any = None, loads: Any = None
-    ) -> jax.Array:
-        _compute(stage, sp, t % oslots if oslots > 1 else 0, first, decls, env, stores, ring, loads)
-        tile = sp.read(out.sp, t % oslots if oslots > 1 else 0)
-        return _store(ob, tile, stores)
+    def step(t: Any, stores: Any, first: Any, ob: jax.Array) -> jax.Array:
+        oslot = t % oslots if oslots > 1 else 0
+        slot = t % nslots[0] if stage.inputs and nslots[0] > 1 else 0
+        _compute(stage, bufs, slot, oslot, first, env, decls, stores)
+        return _store(ob, bufs.read(out.sp, oslot), stores)
 
     if T <= UNROLL_STEPS:
         load_step(0, tab["loads"][0], tab["ring"][0])
         for t in range(T):
             if t + 1 < T:
                 load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1])
-            out_blocked = step(
-                t,
-                tab["stores"][t],
-                bool(tab["first"][t]),
-                out_blocked,
-                tab["ring"][t],
-                tab["loads"][t],
-            )
+            out_blocked = step(t, tab["stores"][t], bool(tab["first"][t]), out_blocked)
     else:
         load_step(0, tab["loads"][0], tab["ring"][0])
         nxt_loads = np.concatenate([tab["loads"][1:], -np.ones_like(tab["loads"][:1])])
         nxt_ring = np.concatenate([tab["ring"][1:], -np.ones_like(tab["ring"][:1])])
+        lazy = [plans[op.sp].lazy for op in stage.inputs]
+        first_all = tab["first"].all()
+        first_none = not tab["first"].any()
         xs = (
             jnp.arange(T, dtype=jnp.int32),
             jnp.asarray(nxt_loads),
@@ -340,14 +463,18 @@ def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: 
             jnp.asarray(tab["first"]),
         )
 
-        def body(carry: tuple[jax.Array, jax.Array], x: Any) -> tuple[Any, None]:
-            sp.arr, ob = carry
+        def body(carry: tuple[dict[str, jax.Array], jax.Array], x: Any) -> tuple[Any, None]:
+            bufs.data, ob = dict(carry[0]), carry[1]
             t, nl, nr, st, fi = x
-            load_step(t + 1, nl, nr)
+            # a lazily forwarded operand's ring table is the same every step: keep it static
+            rings = [tab["ring"][0, i] if lazy[i] else nr[i] for i in range(len(stage.inputs))]
+            load_step(t + 1, nl, rings)
+            fi = True if first_all else (False if first_none else fi)
             ob = step(t, st, fi, ob)
-            return (sp.arr, ob), None
+            return (dict(bufs.data), ob), None
 
-        (sp.arr, out_blocked), _ = lax.scan(body, (sp.arr, out_blocked), xs)
+        (data, out_blocked), _ = lax.scan(body, (dict(bufs.data), out_blocked), xs)
+        bufs.data = dict(data)
     return from_blocks(jnp, out_blocked, out_layout.device_shape, out.block)
 
 
@@ -380,4 +507,4 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
     def program(*args: jax.Array) -> list[jax.Array]:
         return run_kernel(kernel, list(args))
 
-    return jax.jit(program)
+    return jax.jit(program, compiler_options=COMPILER_OPTIONS)

@@ -192,6 +192,15 @@ def _erf(xp: Any, x: Any) -> Any:
     return jss.erf(x)
 
 
+def _erfc(xp: Any, x: Any) -> Any:
+    """``1 - erf(x)`` computed directly, so it keeps its relative precision for large ``x``."""
+    if xp is np:
+        return np.vectorize(math.erfc, otypes=[np.float32])(x).astype(np.float32)
+    import jax.scipy.special as jss
+
+    return jss.erfc(x)
+
+
 def _round_half_even(xp: Any, x: Any) -> Any:
     return xp.round(x)
 
@@ -290,6 +299,7 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "tanh": (lambda xp, a, p: xp.tanh(a), 1),
     "logistic": (lambda xp, a, p: 1 / (1 + xp.exp(-a)), 1),
     "erf": (lambda xp, a, p: _erf(xp, a), 1),
+    "erfc": (lambda xp, a, p: _erfc(xp, a), 1),
     "sin": (lambda xp, a, p: xp.sin(a), 1),
     "cos": (lambda xp, a, p: xp.cos(a), 1),
     "square": (lambda xp, a, p: a * a, 1),
@@ -332,6 +342,7 @@ TRANSCENDENTAL = frozenset(
         "tanh",
         "logistic",
         "erf",
+        "erfc",
         "sin",
         "cos",
         "pow",

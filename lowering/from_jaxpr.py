@@ -9,6 +9,8 @@ and the user's source line.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 from jax.extend import core as jcore
 
-from device_model.layout import check_dtype
+from device_model.layout import SUPPORTED_DTYPES, check_dtype
 
 from .errors import LoweringError, UnsupportedPrimitiveError
 from .graph import Graph, Node, Var, params
@@ -126,31 +128,86 @@ def _aval(v: Any) -> tuple[tuple[int, ...], str]:
     return tuple(int(d) for d in v.aval.shape), _dtype_name(v.aval.dtype)
 
 
-_SKIP_DIRS = tuple(
-    os.sep + d + os.sep
-    for d in (
-        "jax",
-        "jaxlib",
-        "equinox",
-        "lowering",
-        "spyre_jax",
-        "device_model",
-        "torch_bridge",
-        "contextlib",
-        "functools",
-    )
+#: packages and modules whose frames are never the user's line: JAX and the libraries that wrap
+#: it, this project's own packages, and the stdlib helpers that decorators run through
+_NON_USER_MODULES = (
+    "jax",
+    "jaxlib",
+    "equinox",
+    "jaxtyping",
+    "lowering",
+    "spyre_jax",
+    "device_model",
+    "torch_bridge",
+    "contextlib",
+    "functools",
 )
 
 
+def _norm(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+@functools.cache
+def _non_user_roots() -> tuple[tuple[str, ...], frozenset[str]]:
+    """(package directories, module files) of :data:`_NON_USER_MODULES` that are installed.
+
+    Found with ``importlib.util.find_spec``, which locates a top-level module without importing
+    it; both the path as imported and its resolved form are kept (frames carry the former).
+    """
+    dirs: set[str] = set()
+    files: set[str] = set()
+    for name in _NON_USER_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # pragma: no cover - broken installs
+            spec = None
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            for d in spec.submodule_search_locations:
+                dirs.update({_norm(d), _norm(os.path.realpath(d))})
+        elif spec.origin and os.path.isabs(spec.origin):
+            files.update({_norm(spec.origin), _norm(os.path.realpath(spec.origin))})
+    return tuple(sorted(d.rstrip(os.sep) + os.sep for d in dirs)), frozenset(files)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(file_name: str) -> bool:
+    """Whether a frame's file is user code: not under JAX, equinox, this project or the stdlib
+    helpers of :data:`_NON_USER_MODULES`, and not a frozen or generated module."""
+    if not file_name or file_name.startswith("<frozen"):
+        return False
+    dirs, files = _non_user_roots()
+    for p in {_norm(file_name), _norm(os.path.realpath(file_name))}:
+        if p in files or p.startswith(dirs):
+            return False
+    return True
+
+
+def _user_frame(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost user frame of an equation, or ``""``.
+
+    An equation traced inside a nested ``jit`` (``jnp.sort``, ``jnp.fft.fft`` are jitted
+    wrappers) may carry only JAX-internal frames: then there is no user frame here.
+    """
+    tb = getattr(source_info, "traceback", None)
+    for f in getattr(tb, "frames", None) or []:
+        if _is_user_file(f.file_name):
+            return f"{f.file_name}:{f.line_num} ({f.function_name})"
+    return ""
+
+
 def user_source_line(source_info: Any) -> str:
-    """``file:line (function)`` of the innermost frame outside JAX, equinox and this project."""
+    """``file:line (function)`` of the innermost frame outside JAX, equinox and this project.
+
+    Falls back to the innermost frame when every frame is library code, ``""`` without frames.
+    """
+    where = _user_frame(source_info)
+    if where:
+        return where
     tb = getattr(source_info, "traceback", None)
     frames = getattr(tb, "frames", None) or []
-    for f in frames:
-        fname = f.file_name
-        if any(s in fname for s in _SKIP_DIRS) or fname.startswith("<frozen"):
-            continue
-        return f"{fname}:{f.line_num} ({f.function_name})"
     if frames:
         f = frames[0]
         return f"{f.file_name}:{f.line_num} ({f.function_name})"
@@ -193,16 +250,36 @@ def _read(env: dict[Any, Any], x: Any) -> Any:
     return env[x]
 
 
+#: primitives whose body is inlined: their equations are checked one by one inside
+_INLINED = frozenset(
+    {
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "remat",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+    }
+)
+
+
 def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
     for eqn in jaxpr.eqns:
-        args = [_read(env, x) for x in eqn.invars]
         name = eqn.primitive.name
+        # eqns inlined from a nested jit may have only JAX-internal frames: they then take the
+        # user line of the call they were inlined from (``b.source`` while the call is inlined)
+        where = _user_frame(eqn.source_info) or b.source or user_source_line(eqn.source_info)
+        if name not in _INLINED:
+            _check_eqn_dtypes(jaxpr, eqn, where)
         fn = RULES.get(name)
-        where = user_source_line(eqn.source_info)
         if fn is None:
             raise UnsupportedPrimitiveError(
                 "JAX", name, _eqn_text(eqn), where, _eqn_context(jaxpr, eqn)
             )
+        args = [_read(env, x) for x in eqn.invars]
         saved = b.source
         b.source = where
         try:
@@ -212,6 +289,30 @@ def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
         for v, o in zip(eqn.outvars, outs, strict=True):
             env[v] = o
     return [_read(env, x) for x in jaxpr.outvars]
+
+
+def _check_eqn_dtypes(jaxpr: Any, eqn: Any, where: str) -> None:
+    """Raise TypeError naming the primitive, the equation and the user's line when an operand
+    or a result of ``eqn`` has a dtype the card does not support (complex64 in an FFT...)."""
+    for kind, vs in (("an operand", eqn.invars), ("a result", eqn.outvars)):
+        for v in vs:
+            dt = getattr(getattr(v, "aval", None), "dtype", None)
+            if dt is None:
+                continue
+            try:
+                name = np.dtype(dt).name
+            except TypeError:  # extended dtypes (PRNG keys) have no NumPy counterpart
+                name = str(dt)
+            if name in SUPPORTED_DTYPES:
+                continue
+            raise TypeError(
+                f"spyre: JAX primitive '{eqn.primitive.name}' has {kind} of dtype {name}, "
+                f"which the card does not support; supported dtypes: "
+                f"{', '.join(SUPPORTED_DTYPES)}\n"
+                f"  equation: {_eqn_text(eqn)}\n"
+                f"  at: {where or '<unknown source line>'}\n"
+                f"  in:\n{_eqn_context(jaxpr, eqn)}"
+            )
 
 
 def _eqn_text(eqn: Any) -> str:
@@ -291,6 +392,7 @@ _UNARY = {
     "tanh": "tanh",
     "logistic": "logistic",
     "erf": "erf",
+    "erfc": "erfc",
     "sin": "sin",
     "cos": "cos",
     "square": "square",

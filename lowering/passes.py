@@ -112,8 +112,11 @@ def _single(n: Node) -> Node | None:
         return _map(n, [x], [view], copy, out.shape)
     if op == "reduce":
         (x,) = n.inputs
+        # the values reduced keep the input's dtype: argmax/argmin produce int32 indices, and
+        # carrying the values in the result dtype would truncate floats before the comparison
+        prog = [("copy", (0,), None, x.dtype)]
         return _map(
-            n, [x], [InputView.identity(len(x.shape))], copy, x.shape, n.p("kind"), n.p("axes")
+            n, [x], [InputView.identity(len(x.shape))], prog, x.shape, n.p("kind"), n.p("axes")
         )
     if op == "reshape":
         (x,) = n.inputs

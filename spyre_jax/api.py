@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,17 @@ def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
         return (), "float32"
     if np.iscomplexobj(x) or np.dtype(x.dtype).kind == "c":
         host_dtype(np.complex64(0))  # raises the TypeError listing the supported dtypes
+    if _is_int64(x):
+        return tuple(np.shape(x)), "int32"  # narrowed; ``Jitted._split`` warns once per call
     return tuple(np.shape(x)), host_dtype(x)
+
+
+def _is_int64(x: Any) -> bool:
+    """A host array or NumPy scalar of dtype int64 (narrowed to int32 on the card)."""
+    return not isinstance(x, Array) and hasattr(x, "dtype") and np.dtype(x.dtype) == np.int64
+
+
+_INT64_WARNING = "spyre: int64 is narrowed to int32 on the card"
 
 
 class Compiled:
@@ -89,6 +100,8 @@ class Compiled:
         try:
             for x in leaves:
                 if not isinstance(x, Array):
+                    if _is_int64(x):  # the caller was warned once already (``Jitted._split``)
+                        x = np.asarray(x).astype(np.int32)
                     x = device_put(x)  # host values are copied in, freed after the call
                     temps.append(x)
                 bufs.append(x._buffer())
@@ -169,6 +182,9 @@ class Jitted:
             else:
                 static_leaves.append((i, x))  # non-array leaves (functions, strings) are static
         avals = tuple(_leaf_aval(x) for x in dyn_leaves)
+        if any(_is_int64(x) for x in dyn_leaves):
+            # once per call, attributed to the user's call site: _split <- __call__/lower <- user
+            warnings.warn(_INT64_WARNING, UserWarning, stacklevel=3)
         try:
             key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw)
             hash(key)

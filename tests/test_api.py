@@ -85,8 +85,10 @@ def test_static_argnames_compile_separately():
 def test_no_retrace_same_signature_and_retrace_on_new_shape():
     f = spyre_jax.jit(lambda x, y: jnp.tanh(x) + y)
     r = _rng(1)
-    x1, y1 = r.standard_normal((8, 96)).astype(np.float32), r.standard_normal((8, 96)).astype(
-        np.float32)
+    x1, y1 = (
+        r.standard_normal((8, 96)).astype(np.float32),
+        r.standard_normal((8, 96)).astype(np.float32),
+    )
     x2, y2 = x1 + 1, y1 - 1
     o1 = f(x1, y1)
     o2 = f(x2, y2)
@@ -159,8 +161,14 @@ def test_cost_analysis_matmul():
     w = np.ones((k, n), np.float16)
     compiled = spyre_jax.jit(lambda a, b: a @ b).lower(x, w).compile()
     cost = compiled.cost_analysis()
-    for key in ("flops", "device_bytes", "scratchpad_peak_bytes", "padding_bytes", "cores_used",
-                "sim_time_us"):
+    for key in (
+        "flops",
+        "device_bytes",
+        "scratchpad_peak_bytes",
+        "padding_bytes",
+        "cores_used",
+        "sim_time_us",
+    ):
         assert key in cost, key
     assert cost["flops"] == 2 * m * n * k
     logical = (m * k + k * n + m * n) * 2
@@ -202,8 +210,11 @@ def test_lower_then_compile_shares_the_cache():
 # device arrays
 
 
-@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.int32, np.bool_],
-                         ids=["float16", "bfloat16", "float32", "int32", "bool"])
+@pytest.mark.parametrize(
+    "dtype",
+    [np.float16, ml_dtypes.bfloat16, np.float32, np.int32, np.bool_],
+    ids=["float16", "bfloat16", "float32", "int32", "bool"],
+)
 def test_device_put_round_trip_exact(dtype):
     r = _rng(2)
     h = (r.standard_normal((5, 37)) * 100).astype(dtype)
@@ -251,8 +262,13 @@ def test_delete_then_use_raises():
 
 def test_memory_stats_keys_and_device_put_delete_accounting():
     stats = spyre_jax.memory_stats()
-    for key in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "num_allocs",
-                "largest_free_block"):
+    for key in (
+        "bytes_in_use",
+        "peak_bytes_in_use",
+        "bytes_limit",
+        "num_allocs",
+        "largest_free_block",
+    ):
         assert key in stats, key
     assert stats["bytes_limit"] == CardSpec().device_memory_usable_bytes
     before = _in_use()
@@ -319,8 +335,9 @@ def _user_line(fn) -> str:
     return f"{THIS_FILE}:{fn.__code__.co_firstlineno + 1}"
 
 
-@pytest.mark.parametrize("fn, prim", [(_sort_fn, "sort"), (_while_fn, "while")],
-                         ids=["lax.sort", "lax.while_loop"])
+@pytest.mark.parametrize(
+    "fn, prim", [(_sort_fn, "sort"), (_while_fn, "while")], ids=["lax.sort", "lax.while_loop"]
+)
 def test_unsupported_primitive(fn, prim):
     x = np.ones((8, 128), np.float32)
     with pytest.raises(spyre_jax.UnsupportedPrimitiveError) as ei:
@@ -332,9 +349,6 @@ def test_unsupported_primitive(fn, prim):
     assert _user_line(fn) in msg, msg
 
 
-@pytest.mark.xfail(reason="BUG: eqns inlined from a nested jit (jnp.sort is a jitted wrapper) "
-                          "report a JAX-internal frame (source_info_util.py) instead of the "
-                          "user's source line", strict=True)
 def test_unsupported_primitive_inside_nested_jit_names_user_line():
     x = np.ones((8, 128), np.float32)
     with pytest.raises(spyre_jax.UnsupportedPrimitiveError) as ei:
@@ -344,14 +358,20 @@ def test_unsupported_primitive_inside_nested_jit_names_user_line():
     assert _user_line(_jnp_sort_fn) in msg, msg
 
 
-@pytest.mark.xfail(reason="BUG: jnp.fft.fft fails on its complex64 intermediate with a bare "
-                          "TypeError that names neither the primitive nor the user's line",
-                   strict=True)
 def test_fft_error_names_user_line():
     x = np.ones((8, 128), np.float32)
     with pytest.raises((spyre_jax.UnsupportedPrimitiveError, TypeError)) as ei:
         spyre_jax.jit(_fft_fn)(x)
     assert _user_line(_fft_fn) in str(ei.value), str(ei.value)
+
+
+def test_unsupported_dtype_inside_program_names_primitive_and_dtype():
+    x = np.ones((8, 128), np.float32)
+    with pytest.raises(TypeError) as ei:
+        spyre_jax.jit(_fft_fn)(x)
+    msg = str(ei.value)
+    assert "'convert_element_type'" in msg and "complex64" in msg and "float32" in msg, msg
+    assert "equation:" in msg and "fft[" in msg, msg
 
 
 def test_float64_input_rejected():
@@ -398,8 +418,9 @@ def test_oom_outputs_together_too_big_rolls_back():
     # each output fits on its own (60 GB < 112 GB) but the two together do not
     before = _in_use()
     live0 = spyre_jax.memory_stats()["num_live_allocs"]
-    f = spyre_jax.jit(lambda: (jnp.zeros((15000, 1000000), jnp.float32),
-                               jnp.ones((15000, 1000000), jnp.float32)))
+    f = spyre_jax.jit(
+        lambda: (jnp.zeros((15000, 1000000), jnp.float32), jnp.ones((15000, 1000000), jnp.float32))
+    )
     with pytest.raises(spyre_jax.DeviceOOMError, match="60.00 GB"):
         f()
     assert _in_use() == before
@@ -422,8 +443,6 @@ def test_int64_input_warns_and_narrows():
     np.testing.assert_array_equal(np.asarray(a), h.astype(np.int32))
 
 
-@pytest.mark.xfail(reason="BUG: the int64-narrowing warning from a jitted call is attributed to "
-                          "spyre_jax/api.py (wrong stacklevel) and emitted twice", strict=True)
 def test_int64_warning_points_at_caller():
     f = spyre_jax.jit(lambda x: x + 1)
     with warnings.catch_warnings(record=True) as rec:
@@ -432,3 +451,18 @@ def test_int64_warning_points_at_caller():
     hits = [w for w in rec if "int64" in str(w.message)]
     assert len(hits) == 1
     assert os.path.basename(hits[0].filename) == THIS_FILE, hits[0].filename
+
+
+def test_int64_warning_once_per_call_and_lower_points_at_caller():
+    f = spyre_jax.jit(lambda x, y: x + y)
+    h = np.arange(8, dtype=np.int64)
+    for call in (lambda: f(h, h), lambda: f(h, h), lambda: f.lower(h, h)):  # traced, cached
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            call()
+        hits = [w for w in rec if "int64" in str(w.message)]
+        assert len(hits) == 1
+        assert os.path.basename(hits[0].filename) == THIS_FILE, hits[0].filename
+    with pytest.warns(UserWarning, match="int64"):
+        y = f(h, h)
+    np.testing.assert_array_equal(np.asarray(y), (2 * h).astype(np.int32))

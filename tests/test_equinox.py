@@ -59,8 +59,14 @@ class GPTBlock(eqx.Module):
         ka, km = jax.random.split(key)
         self.ln1 = eqx.nn.LayerNorm(width)
         self.attn = eqx.nn.MultiheadAttention(
-            heads, width, use_query_bias=use_bias, use_key_bias=use_bias,
-            use_value_bias=use_bias, use_output_bias=use_bias, key=ka)
+            heads,
+            width,
+            use_query_bias=use_bias,
+            use_key_bias=use_bias,
+            use_value_bias=use_bias,
+            use_output_bias=use_bias,
+            key=ka,
+        )
         self.ln2 = eqx.nn.LayerNorm(width)
         self.mlp = eqx.nn.MLP(width, width, 4 * width, 1, activation=jax.nn.gelu, key=km)
 
@@ -182,6 +188,7 @@ def test_new_weights_same_shapes_do_not_retrace():
     assert g.trace_count == 1 and len(g._cache) == 1
     # device-resident parameters feed the same compiled function
     on_device = jax.tree_util.tree_map(spyre_jax.device_put, params1)
-    np.testing.assert_allclose(np.asarray(g(on_device, x)), np.asarray(jax.jit(f)(params1, x)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(g(on_device, x)), np.asarray(jax.jit(f)(params1, x)), rtol=1e-5, atol=1e-5
+    )
     assert g.trace_count == 1
