@@ -46,6 +46,10 @@ class CardSpec:
             timing-model work against the measured softmax.
         sfu_ops_per_elem_transcendental: 4 SFU passes for exp/log/tanh/erf/logistic/rsqrt/...
             Assumption (not published).
+        dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
+            DL16 (IBM DLFloat16: 6 exponent, 9 fraction bits, ties away from zero; see
+            ``device_model.numerics``), the 16-bit format the card's units work in, then to the
+            tensor's dtype. A modelling switch, not a hardware fact.
     """
 
     num_cores: int = 32
@@ -65,11 +69,16 @@ class CardSpec:
     pcie_bw: float = 64e9
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
+    dl16_rounding: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int | float) or v <= 0:
+            if f.name == "dl16_rounding":
+                if not isinstance(v, bool):
+                    raise ValueError(f"CardSpec.dl16_rounding must be a bool, got {v!r}")
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ValueError(f"CardSpec.{f.name} must be a positive number, got {v!r}")
         if self.scratchpad_usable_frac > 1:
             raise ValueError("CardSpec.scratchpad_usable_frac must be at most 1")

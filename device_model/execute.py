@@ -160,7 +160,7 @@ class _Buffers:
         """Every core's view of one slot: ``[cores, *block]``."""
         x = _slot(self.data[name], slot)
         r = self.rows(name)
-        return x if r is None else x[r]
+        return x if r is None else _take(x, r)
 
     def read_rows(self, name: str, slot: Any) -> jax.Array:
         """The stored rows of one slot (one per loading core): ``[rows, *block]``."""
@@ -169,23 +169,22 @@ class _Buffers:
     def write_rows(self, name: str, slot: Any, tile: jax.Array) -> None:
         """Write the first ``len(tile)`` stored rows of one slot."""
         arr = self.data[name]
-        n = tile.shape[0]
-        if n == arr.shape[0]:
-            self.write(name, slot, tile)
-            return
-        tile = tile.astype(arr.dtype)[:, None]
-        if arr.shape[1] == 1:
-            self.data[name] = arr.at[:n].set(tile)
-        else:
-            z = jnp.zeros((), jnp.int32)
-            start = (z, slot if not isinstance(slot, int) else jnp.int32(slot)) + (z,) * (
-                arr.ndim - 2
-            )
-            self.data[name] = lax.dynamic_update_slice(arr, tile, start)
+        self.data[name] = _update(arr, slot, tile.astype(arr.dtype))
 
     def write(self, name: str, slot: Any, tile: jax.Array) -> None:
+        """Write all stored rows of one slot."""
         arr = self.data[name]
-        self.data[name] = _set_slot(arr, slot, tile.astype(arr.dtype))
+        if arr.shape[1] == 1 and tile.shape[0] == arr.shape[0]:
+            self.data[name] = tile.astype(arr.dtype)[:, None]
+            return
+        self.data[name] = _update(arr, slot, tile.astype(arr.dtype))
+
+
+def _update(arr: jax.Array, slot: Any, tile: jax.Array) -> jax.Array:
+    """``arr[:len(tile), slot] = tile`` as one dynamic-update-slice (never a scatter)."""
+    z = np.int32(0)
+    s = np.int32(slot) if isinstance(slot, int | np.integer) else slot.astype(np.int32)
+    return lax.dynamic_update_slice(arr, tile[:, None], (z, s) + (z,) * (arr.ndim - 2))
 
 
 def _fresh(b: SpBuf, rows: int) -> jax.Array:
@@ -200,28 +199,31 @@ def _slot(arr: jax.Array, slot: Any) -> jax.Array:
     return lax.dynamic_index_in_dim(arr, slot, axis=1, keepdims=False)
 
 
-def _set_slot(arr: jax.Array, slot: Any, tile: jax.Array) -> jax.Array:
-    if arr.shape[1] == 1:
-        return tile[:, None]
-    if isinstance(slot, int | np.integer):
-        return arr.at[:, int(slot)].set(tile)
-    return lax.dynamic_update_index_in_dim(arr, tile, slot, axis=1)
-
-
 def _static(x: Any) -> bool:
     return isinstance(x, np.ndarray)
+
+
+def _take(x: jax.Array, idx: np.ndarray) -> jax.Array:
+    """``x[idx]`` along axis 0 for a static index vector, as a slice or broadcast when it is one
+    (fewer gathers: smaller programs that XLA compiles faster)."""
+    n = len(idx)
+    if n == 0:
+        return x[:0]
+    a = int(idx[0])
+    if n == x.shape[0] and (idx == np.arange(n)).all():
+        return x
+    if (idx == a).all():
+        return jnp.broadcast_to(x[a], (n, *x.shape[1:]))
+    if (idx == np.arange(a, a + n)).all():
+        return lax.slice_in_dim(x, a, a + n, axis=0)
+    return x[idx]
 
 
 def _take_blocks(blocked: jax.Array, idx: Any) -> jax.Array:
     """Blocks ``idx`` (one per row; -1 entries are fetched clamped and masked by the caller)."""
     nb = blocked.shape[0]
     if _static(idx):
-        safe = np.clip(idx, 0, nb - 1)
-        if nb == len(safe) and (safe == np.arange(nb)).all():
-            return blocked
-        if (safe == safe[0]).all():
-            return jnp.broadcast_to(blocked[int(safe[0])], (len(safe), *blocked.shape[1:]))
-        return blocked[safe]
+        return _take(blocked, np.clip(idx, 0, nb - 1))
     return blocked[jnp.clip(idx, 0, nb - 1)]
 
 
@@ -268,9 +270,10 @@ def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
         if (idx < 0).all():
             return out_blocked
         keep = np.flatnonzero(idx >= 0)
-        if len(keep) < len(idx):
-            return out_blocked.at[idx[keep]].set(tile[keep])
-        return out_blocked.at[idx].set(tile)
+        tgt = idx[keep]
+        if len(tgt) == nb:  # every block stored: a permutation of the stored tiles
+            return _take(tile, keep[np.argsort(tgt)])
+        return out_blocked.at[tgt].set(_take(tile, keep))
     safe = jnp.where(idx < 0, nb, idx)
     return out_blocked.at[safe].set(tile, mode="drop")
 
@@ -307,14 +310,14 @@ def _matmul(bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any) -> jax.
     if by_r and len(by_r) <= len(by_l):
         for r, cores in by_r.items():
             li = lrows[np.asarray(cores)]
-            a = lhs if _is_arange(li, lhs.shape[0]) else lhs[li]
+            a = _take(lhs, li)
             a = a[:, 0, :, :k].reshape(len(cores) * tm, k)
             parts.append(dot(a, rhs[r, 0]).reshape(len(cores), 1, tm, tn))
             order += cores
     elif by_l:
         for r, cores in by_l.items():
             ri = rrows[np.asarray(cores)]
-            b = rhs if _is_arange(ri, rhs.shape[0]) else rhs[ri]
+            b = _take(rhs, ri)
             b = jnp.moveaxis(b[:, 0], 0, 1).reshape(k, len(cores) * tn)  # [k, n*tn]
             p = dot(lhs[r, 0, :, :k], b).reshape(tm, len(cores), tn)
             parts.append(jnp.moveaxis(p, 1, 0)[:, None])
@@ -325,7 +328,7 @@ def _matmul(bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any) -> jax.
         order += idle
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     inv = np.argsort(np.asarray(order))
-    return out if (inv == np.arange(c)).all() else out[inv]
+    return _take(out, inv)
 
 
 def _compute(
@@ -337,6 +340,7 @@ def _compute(
     env: dict[str, Any],
     decls: dict[str, Any],
     store_idx: Any,
+    dl16: bool = False,
 ) -> None:
     """The PEs/SFUs (and, for gathers, the indirect loads) of one step, scratchpad to scratchpad."""
     unit, kind, params = stage.body[0]
@@ -348,7 +352,7 @@ def _compute(
         tiles = [bufs.read(op.sp, slot) for op in stage.inputs]
         dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
         r = ops.run_map(jnp, body, tiles, dts, space_block, c)
-        r = ops.narrow(jnp, r, body.out_dtype)
+        r = ops.narrow(jnp, r, body.out_dtype, dl16)
         want = out.block
         if r.ndim - 1 < len(want):
             r = r.reshape((r.shape[0], *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
@@ -362,7 +366,7 @@ def _compute(
             acc = bufs.read("acc", 0)
             acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
         bufs.write("acc", 0, acc)
-        r = ops.narrow(jnp, acc, body.out_dtype)
+        r = ops.narrow(jnp, acc, body.out_dtype, dl16)
         bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
     elif stage.kind == "gather":
         body = params
@@ -415,7 +419,9 @@ def _tables(stage: Stage) -> dict[str, np.ndarray]:
     }
 
 
-def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: int) -> Any:
+def run_stage(
+    stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: int, dl16: bool = False
+) -> Any:
     """Execute one stage on the vectorized card; returns the output tensor's device array."""
     tab = _tables(stage)
     plans = {
@@ -439,7 +445,7 @@ def run_stage(stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: 
     def step(t: Any, stores: Any, first: Any, ob: jax.Array) -> jax.Array:
         oslot = t % oslots if oslots > 1 else 0
         slot = t % nslots[0] if stage.inputs and nslots[0] > 1 else 0
-        _compute(stage, bufs, slot, oslot, first, env, decls, stores)
+        _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16)
         return _store(ob, bufs.read(out.sp, oslot), stores)
 
     if T <= UNROLL_STEPS:
@@ -496,7 +502,7 @@ def run_kernel(kernel: Kernel, args: list[Any]) -> list[Any]:
 
     resolve()
     for st in kernel.stages:
-        env[st.output.tensor] = run_stage(st, env, decls, kernel.num_cores)
+        env[st.output.tensor] = run_stage(st, env, decls, kernel.num_cores, kernel.dl16)
         resolve()
     return [env[o] for o in kernel.outputs]
 

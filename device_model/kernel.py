@@ -147,6 +147,7 @@ class Kernel:
     aliases: tuple[tuple[str, str], ...] = ()  # (view, base): a free reshape of a tensor
     num_cores: int = 32
     sp_capacity: int = 0
+    dl16: bool = False  # stores of fp16/bf16 results round through DL16 first (CardSpec)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def tensor(self, name: str) -> TensorDecl:

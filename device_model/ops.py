@@ -122,12 +122,14 @@ class MatmulBody:
 class GatherBody:
     """Load-unit program: rows ``table[idx[i]]`` fetched by index from device memory.
 
-    mode "clip" clamps indices into range; "fill" gives NaN (0 for integers) for out-of-range rows.
+    mode "clip" clamps indices into range; "fill" gives ``fill_value`` for out-of-range rows
+    (when None: NaN for floats, 0 for integers).
     """
 
     table: str
     num_rows: int
     mode: str
+    fill_value: float | int | None = None
 
     def __str__(self) -> str:
         return f"indirect load rows of {self.table} (V={self.num_rows}, mode={self.mode})"
@@ -171,12 +173,23 @@ def widen(xp: Any, x: Any, dtype: str) -> Any:
     return x.astype(np_dtype(compute_dtype(dtype)))
 
 
-def narrow(xp: Any, x: Any, dtype: str) -> Any:
-    """Compute type -> the dtype stored (round to nearest even for floats, as a cast does)."""
+def narrow(xp: Any, x: Any, dtype: str, dl16: bool = False) -> Any:
+    """Compute type -> the dtype stored (round to nearest even for floats, as a cast does).
+
+    With ``dl16`` a float result stored as fp16/bf16 is first rounded to DL16
+    (:mod:`device_model.numerics`), as the card's 16-bit units hold it.
+    """
     if dtype == "bool":
         return x != 0 if x.dtype != np.bool_ else x
     if dtype == "int32" and x.dtype.kind == "f":
         return xp.trunc(x).astype(np.int32)
+    if dl16 and dtype in ("float16", "bfloat16") and x.dtype.kind == "f":
+        from . import numerics
+
+        if xp is np:
+            x = numerics.round_to_dl16_np(x.astype(np.float32))
+        else:
+            x = numerics.round_to_dl16(x.astype(np.float32))
     return x.astype(np_dtype(dtype))
 
 

@@ -630,7 +630,24 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     flat = b.reshape(idx, (nrows,))
     width = int(np.prod(table.shape[1:], dtype=np.int64))
     tab2 = b.reshape(table, (table.shape[0], width))
+    fill = None
+    if "FILL" in mode:
+        # JAX's defaults: NaN for floats, the most negative value for signed ints, True for bool
+        fv = p.get("fill_value")
+        if fv is not None:
+            fill = float(fv) if np.dtype(eqn.outvars[0].aval.dtype).kind == "f" else int(fv)
+        elif dt == "int32":
+            fill = int(np.iinfo(np.int32).min)
+        elif dt == "bool":
+            fill = 1
+        else:
+            fill = float("nan")
     g = b.emit(
-        "gather", [tab2, flat], (nrows, width), dt, mode="fill" if "FILL" in mode else "clip"
+        "gather",
+        [tab2, flat],
+        (nrows, width),
+        dt,
+        mode="fill" if "FILL" in mode else "clip",
+        fill_value=fill,
     )
     return [b.reshape(g, out_shape)]

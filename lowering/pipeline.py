@@ -6,6 +6,7 @@ Set ``SPYRE_DUMP=1`` to print the IR after every pass; ``SPYRE_CHECK=0`` skips t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from device_model.card import CardSpec
@@ -35,6 +36,8 @@ def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Ker
         if dump:
             print(f"=== {g.name}: after {name}\n{g}")
     k = schedule(g, card)
+    if card.dl16_rounding:
+        k = dataclasses.replace(k, dl16=True)
     if check:
         check_kernel(k)
     if dump:

@@ -5,8 +5,9 @@ divisors elsewhere), so that the tiles spread over the cores and the stage's scr
 the usable scratchpad; the plan is double-buffered when the stage has more than one step. Then the
 work is divided (tile p runs on core p % 32 at step p // 32) and the load, ring and store tables
 are built: a block several cores need in one step is loaded by the first of them and forwarded
-over the ring to the rest. A plan that does not fit is never emitted: the tiler splits further,
-and raises :class:`TilingError` only when no split fits.
+over the ring to the rest. A plan that does not fit is never emitted: the tiler splits further
+(a reduction whose output rows cannot be tiled finely enough writes one element per stick to a
+temp, then packs it), and raises :class:`TilingError` only when no split fits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from device_model.ops import (
     TRANSCENDENTAL,
     ConcatBody,
     GatherBody,
+    InputView,
     MapBody,
     MatmulBody,
     ReshapeBody,
@@ -202,13 +204,67 @@ def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int) -> int:
 # per-kind stage builders
 
 
-def _map_stage(ctx: _Ctx, n: Node) -> Stage:
+_REDUCTIONS = frozenset({"sum", "max", "min", "prod", "argmax", "argmin"})
+
+
+def _map_stage(ctx: _Ctx, n: Node) -> list[Stage]:
+    """A map node's stage; a reduction that does not fit goes through a one-per-stick temp.
+
+    The output's last dim is its stick dim, so tiles of the output's rows come in whole output
+    sticks (64 fp16), and a reduction over long rows then needs that many full input rows in
+    the scratchpad at once. When that does not fit, the reduction writes a temp with a trailing
+    size-1 dim instead (one element per stick, as the card's own stick-dim reductions do): its
+    rows are no longer the stick dim and tile one by one. A second, copy stage packs the temp
+    into the output's layout.
+    """
     body: MapBody = n.p("body")
+    in_names = [ctx.name(v) for v in n.inputs]
+    in_lays = [ctx.layout(v) for v in n.inputs]
+    out_name, out_lay = ctx.name(n.out), ctx.layout(n.out)
+    name = f"s{len(ctx.stages)}"
+    try:
+        return [_map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source)]
+    except TilingError as err:
+        if body.reduce not in _REDUCTIONS or not out_lay.shape:
+            raise
+        first_err = err
+    shape, dt = out_lay.shape, out_lay.dtype
+    tmp = f"{out_name}_s"
+    tmp_lay = layout_for((*shape, 1), dt, ctx.card.stick_bytes)
+    sparse = MapBody((*body.space, 1), body.views, body.program, body.reduce, body.reduce_axes, dt)
+    r = len(shape)
+    pack = MapBody(
+        shape,
+        (InputView((*range(r), -1), (0,) * (r + 1), (1,) * (r + 1), (False,) * (r + 1)),),
+        (("copy", (0,), None, dt),),
+        "",
+        (),
+        dt,
+    )
+    try:
+        s1 = _map_plan(ctx, sparse, in_names, in_lays, tmp, tmp_lay, name, n.source)
+        s2 = _map_plan(
+            ctx, pack, [tmp], [tmp_lay], out_name, out_lay, f"s{len(ctx.stages) + 1}", n.source
+        )
+    except TilingError:
+        raise first_err from None
+    ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
+    return [s1, s2]
+
+
+def _map_plan(
+    ctx: _Ctx,
+    body: MapBody,
+    in_names: list[str],
+    in_lays: list[TensorLayout],
+    out_name: str,
+    out_lay: TensorLayout,
+    name: str,
+    source: str,
+) -> Stage:
+    """Tile one map body over the cores; raises :class:`TilingError` when no tiling fits."""
     space = body.space
     r = len(space)
-    in_lays = [ctx.layout(v) for v in n.inputs]
-    out_v = n.out
-    out_lay = ctx.layout(out_v)
     out_dims = body.out_space_dims()
     reduced = (
         set(range(r)) - set(out_dims)
@@ -262,23 +318,24 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
         items = [(b, lay.dtype) for b, lay in zip(ib, in_lays, strict=True)]
         return _plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
 
-    bl = _choose(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({_describe(body)})", n.source)
+    bl = _choose(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({_describe(body)})", source)
     grid = tuple(extents[g] // bl[g] if tileable[g] else 1 for g in range(r))
     ib, ob = blocks_for(bl)
-    space_block = tuple(bl[g] if tileable[g] else space[g] for g in range(r))
+    # a block past the logical extent (the stick padding) computes only the logical part
+    space_block = tuple(min(bl[g], space[g]) if tileable[g] else space[g] for g in range(r))
     inputs = []
-    for i, (v, view, blk) in enumerate(zip(n.inputs, body.views, ib, strict=True)):
+    for i, (nm, lay, view, blk) in enumerate(zip(in_names, in_lays, body.views, ib, strict=True)):
         gd = (
             tuple(
                 g if g >= 0 and tileable[g] and view.is_plain(j) else -1
                 for j, g in enumerate(view.dims)
             )
-            if v.shape
+            if lay.shape
             else (-1,)
         )
-        inputs.append(Operand(ctx.name(v), blk, gd, f"in{i}"))
-    ogd = tuple(g if tileable[g] else -1 for g in out_dims) if out_v.shape else (-1,)
-    output = Operand(ctx.name(out_v), ob, ogd, "out")
+        inputs.append(Operand(nm, blk, gd, f"in{i}"))
+    ogd = tuple(g if tileable[g] else -1 for g in out_dims) if out_lay.shape else (-1,)
+    output = Operand(out_name, ob, ogd, "out")
     ntiles = math.prod(grid)
     slots = 2 if ntiles > ctx.ncores else 1
     scratch = _sp_plan(
@@ -291,13 +348,17 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
     tabs = _tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
     elems = math.prod(space)
     sfu = 0
+    flops = 0  # as XLA's cost analysis counts: one per element per arithmetic op
     for op, *_ in body.program:
         if op != "const":
             sfu += elems * (ctx.card.sfu_ops_per_elem_transcendental if op in TRANSCENDENTAL else 1)
+        if op not in _MOVES:
+            flops += elems
     if body.reduce:
         sfu += elems
+        flops += elems
     return Stage(
-        f"s{len(ctx.stages)}",
+        name,
         "map",
         grid,
         -1,
@@ -306,10 +367,14 @@ def _map_stage(ctx: _Ctx, n: Node) -> Stage:
         scratch,
         (("SFU", "map", (body, space_block)),),
         *tabs,
-        flops=0,
+        flops=flops,
         sfu_elem_ops=sfu,
-        source=n.source,
+        source=source,
     )
+
+
+#: map-program ops that move or retype data and do no arithmetic (no flops)
+_MOVES = frozenset({"const", "copy", "convert", "select_n"})
 
 
 def _describe(body: MapBody) -> str:
@@ -322,21 +387,21 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
     N = b.shape[2]
-    Kp, Np = la.device_shape[2], lb.device_shape[2]
-    if Np != lo.device_shape[2]:
-        # not yet supported: an output whose dtype pads N to a different stick multiple
-        raise TilingError(
-            f"spyre: matmul {a.shape}x{b.shape} -> {lo.dtype}: rhs ({lb.dtype}) and output pad N "
-            f"to different sticks ({Np} vs {lo.device_shape[2]})"
-            + (f"\n  at: {n.source}" if n.source else "")
-        )
-    tn_c = _cands(Np, math.lcm(lb.elems_per_stick, lo.elems_per_stick))
+    Kp, Np, No = la.device_shape[2], lb.device_shape[2], lo.device_shape[2]
+    # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to different
+    # extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides both, and N is one
+    # tile: the rhs block and the accumulator span the rhs's padded N, the output block its own
+    # (the PE result is cropped, or zero-padded, to it).
+    q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
+    tn_c = [(t, t) for t in _divisors(math.gcd(Np, No)) if t % q == 0]
+    if (Np, No) not in tn_c:
+        tn_c.append((Np, No))
     tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
     tm_c = _divisors(M)
     card = ctx.card
     best = None
-    cands_all: list[tuple[float, int, int, int, int]] = []
-    for tm, tn, tk in product(tm_c, tn_c, tk_c):
+    cands_all: list[tuple[float, int, int, tuple[int, int], int]] = []
+    for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
         steps = -(-ntiles // ctx.ncores) * gk
@@ -344,7 +409,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
         tkp = Kp if tk == K else tk
         plan = (
             _plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots)
-            + _plan_bytes([((1, tm, tn), lo.dtype)], slots)
+            + _plan_bytes([((1, tm, tno), lo.dtype)], slots)
             + _plan_bytes([((1, tm, tn), "float32")], 1)
         )
         if plan > ctx.cap:
@@ -357,7 +422,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
         ) / card.device_memory_bw
         comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
         est = load + (steps - 1) * max(load, comp) + comp + steps * 1e-7
-        cands_all.append((est, steps, tm, tn, tk))
+        cands_all.append((est, steps, tm, (tn, tno), tk))
     if cands_all:
         # among tilings within 10% of the fastest, the one with the fewest steps
         fastest = min(c[0] for c in cands_all)
@@ -369,7 +434,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
             f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
             f"({ctx.cap} B per core)" + (f"\n  at: {n.source}" if n.source else "")
         )
-    _, tm, tn, tk = best
+    _, tm, (tn, tno), tk = best
     gm, gn, gk = M // tm, Np // tn, K // tk
     grid = (B, gm, gn, gk)
     tkp = Kp if tk == K else tk
@@ -379,7 +444,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     else:
         lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
         rhs = Operand(ctx.name(b), (1, K, tn), (0, -1, 2), "rhs")
-    out = Operand(ctx.name(n.out), (1, tm, tn), (0, 1, 2), "out")
+    out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 2 if steps > 1 else 1
     scratch = _sp_plan(
@@ -427,7 +492,7 @@ def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     slots = 2 if math.prod(grid) > ctx.ncores else 1
     scratch = _sp_plan([("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)])
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"))
+    body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"), n.p("fill_value"))
     return Stage(
         f"s{len(ctx.stages)}",
         "gather",
@@ -572,7 +637,8 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         builder = _BUILDERS.get(n.op)
         if builder is None:
             raise TilingError(f"spyre: no schedule for op {n.op!r}")  # pragma: no cover
-        ctx.stages.append(builder(ctx, n))
+        built = builder(ctx, n)
+        ctx.stages.extend(built if isinstance(built, list) else [built])
     outs = []
     for v in g.outputs:
         nm = ctx.name(v)

@@ -186,7 +186,8 @@ class Jitted:
             # once per call, attributed to the user's call site: _split <- __call__/lower <- user
             warnings.warn(_INT64_WARNING, UserWarning, stacklevel=3)
         try:
-            key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw)
+            card = runtime().card  # a different card is a different compilation
+            key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw, card)
             hash(key)
         except TypeError as e:
             raise TypeError(f"spyre_jax.jit: static arguments must be hashable ({e})") from None

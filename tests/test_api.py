@@ -466,3 +466,54 @@ def test_int64_warning_once_per_call_and_lower_points_at_caller():
     with pytest.warns(UserWarning, match="int64"):
         y = f(h, h)
     np.testing.assert_array_equal(np.asarray(y), (2 * h).astype(np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# figures and card options
+
+
+def test_cost_analysis_counts_elementwise_flops():
+    # as XLA's cost analysis: one flop per element per arithmetic op (here mul, add, tanh)
+    x = np.ones((100, 150), np.float32)
+    cost = spyre_jax.jit(lambda a: jnp.tanh(a * 2.0 + 1.0)).lower(x).compile().cost_analysis()
+    assert cost["flops"] == 3 * 100 * 150
+
+
+def test_card_change_recompiles():
+    # regression: the per-signature cache ignored the card, so set_card reused old schedules
+    f = spyre_jax.jit(lambda a: a + 1.0)
+    x = np.ones((64, 256), np.float16)
+    f(x)
+    spyre_jax.set_card(CardSpec(scratchpad_usable_frac=0.25))
+    try:
+        f(x)
+        assert f.trace_count == 2
+    finally:
+        spyre_jax.set_card(CardSpec())
+
+
+def test_dl16_rounding_option():
+    from device_model.numerics import round_to_dl16_np
+
+    x = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32) * 3
+    x16 = x.astype(np.float16)
+    f = spyre_jax.jit(lambda a: a * 1.7)
+    ieee = np.asarray(f(x16))
+    spyre_jax.set_card(CardSpec(dl16_rounding=True))
+    try:
+        dl = np.asarray(spyre_jax.jit(lambda a: a * 1.7)(x16))
+    finally:
+        spyre_jax.set_card(CardSpec())
+    # the weakly typed constant is fp16(1.7); the SFU multiplies in fp32
+    exact = x16.astype(np.float32) * np.float32(np.float16(1.7))
+    # IEEE store: round-to-nearest-even into fp16 (10 fraction bits)
+    np.testing.assert_array_equal(ieee, exact.astype(np.float16))
+    # DL16 store: 9 fraction bits, ties away from zero, then held in fp16 (exactly representable)
+    np.testing.assert_array_equal(dl, round_to_dl16_np(exact).astype(np.float16))
+    assert (dl != ieee).any()
+    assert np.abs(dl.astype(np.float32) - exact).max() <= np.abs(exact).max() * 2.0**-10
+
+
+def test_card_rejects_bad_dl16_flag():
+    with pytest.raises(ValueError, match="dl16_rounding"):
+        CardSpec(dl16_rounding=1)

@@ -115,6 +115,7 @@ UNARY = {
     "logistic": (jax.nn.sigmoid, "normal", 1),
     "erf_scipy": (jax.scipy.special.erf, "normal", 1),
     "erf_lax": (lax.erf, "normal", 1),
+    "erfc_lax": (lax.erfc, "normal", 1),
     "rsqrt": (lax.rsqrt, "pos", 1),
     "sqrt": (jnp.sqrt, "pos", 1),
     "square": (jnp.square, "normal", 1),
@@ -128,10 +129,8 @@ UNARY = {
     "floor": (jnp.floor, "normal", 1),
 }
 
-_UNARY_XFAIL = {
-    "gelu_exact": "BUG: no lowering rule for 'erfc' (jax.nn.gelu(approximate=False) emits erfc)",
-}
-_UNARY_BF16 = {"exp", "log", "tanh", "logistic", "rsqrt", "gelu_tanh"}
+_UNARY_XFAIL: dict[str, str] = {}
+_UNARY_BF16 = {"exp", "log", "tanh", "logistic", "rsqrt", "gelu_tanh", "gelu_exact"}
 
 
 def _unary_params():
@@ -311,10 +310,6 @@ def test_reduce_small(shape):
     _check(lambda a: (jnp.sum(a), jnp.max(a, axis=-1)), x, k=x.size)
 
 
-_ARG_BUG = "BUG: argmax/argmin compare the values truncated to int32 (the result dtype)"
-
-
-@_xfail(_ARG_BUG)
 @pytest.mark.parametrize("dtype", FLOATS, ids=FLOAT_IDS)
 @pytest.mark.parametrize("name", ["argmax", "argmin"])
 def test_arg_reduce(name, dtype):
@@ -326,12 +321,20 @@ def test_arg_reduce(name, dtype):
     _check(lambda a: fn(a, axis=-1), x)
 
 
-@_xfail(_ARG_BUG)
 @pytest.mark.parametrize("shape", [(63, 150), (2, 65, 100)], ids=str)
 def test_arg_reduce_shapes(shape):
     x = _arr(shape, F32, seed=18)
     fn = jnp.argmax
     _check(lambda a: fn(a, axis=-1), x)
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["f16", "f32"])
+def test_arg_reduce_fused_producer_axis0(dtype):
+    # values in (-1, 1) all truncate to 0 as int32: the reduced values must keep their dtype
+    # through the producer fused into the reduction, along a non-minor axis too
+    r = _rng(19)
+    x = (np.stack([r.permutation(63) for _ in range(150)], axis=1) / 64).astype(dtype)
+    _check(lambda a: (jnp.argmax(a * 0.5 - 0.25, axis=0), jnp.argmin(-a, axis=0)), x)
 
 
 @pytest.mark.parametrize(
@@ -551,11 +554,19 @@ def test_take_fill_out_of_range():
     _check(lambda a, i: jnp.take(a, i, axis=0, mode="fill"), t, idx)
 
 
-@_xfail("BUG: gather ignores fill_value; out-of-range rows are NaN instead of fill_value")
-def test_take_fill_value():
+@pytest.mark.parametrize("fill", [0.0, -7.5], ids=str)
+def test_take_fill_value(fill):
+    # regression: gather used NaN whatever fill_value said
     t = _table(dtype=F32)
     idx = np.array([0, 3, 50, 1000, 49], np.int32)
-    _check(lambda a, i: jnp.take(a, i, axis=0, mode="fill", fill_value=0.0), t, idx)
+    got = _check(lambda a, i: jnp.take(a, i, axis=0, mode="fill", fill_value=fill), t, idx)
+    assert (np.asarray(got)[[2, 3]] == fill).all()
+
+
+def test_take_fill_int_table_defaults_like_jax():
+    t = np.arange(50 * 3, dtype=np.int32).reshape(50, 3)
+    idx = np.array([0, 3, 50, -60, 49], np.int32)
+    _check(lambda a, i: jnp.take(a, i, axis=0, mode="fill"), t, idx)
 
 
 def test_take_clip_out_of_range():
@@ -644,13 +655,7 @@ def test_vector_matrix(kn, dtype):
     _check(lambda p, q: jnp.dot(p, q), v, v, k=k)  # vector . vector
 
 
-_PREF_BUG = "BUG: fp16 x fp16 -> fp32 matmul raises 'rhs and output stick padding differ'"
-
-
-@pytest.mark.parametrize(
-    "n",
-    [128, pytest.param(150, marks=_xfail(_PREF_BUG)), pytest.param(4, marks=_xfail(_PREF_BUG))],
-)
+@pytest.mark.parametrize("n", [128, 150, 4])
 def test_matmul_preferred_f32(n):
     # fp16 operands, fp32 result: the PE array accumulates in fp32 anyway
     x = _arr((65, 100), F16, seed=55)
@@ -736,10 +741,6 @@ def test_small_scratchpad_matmul_512(small_card):
     assert cost["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
 
 
-@_xfail(
-    "BUG: a last-axis reduction tiles its rows only in whole output sticks (64 fp16), so "
-    "max over [256, 1000] fp16 needs 131 KB > 52 KB usable and raises TilingError"
-)
 def test_small_scratchpad_softmax_256x1000(small_card):
     card = small_card(scratchpad_bytes=64 * 1024)
     x = _arr((256, 1000), F16, seed=54) * 3

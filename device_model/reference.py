@@ -1,0 +1,310 @@
+"""The schedule IR's living definition: a plain NumPy interpreter of a :class:`Kernel`.
+
+``run_kernel_reference(kernel, args)`` takes and returns device-shaped buffers exactly like
+:func:`device_model.execute.run_kernel`, but it is written to be obviously right rather than
+fast, the opposite of the vectorized executor:
+
+* Device memory is a dict from tensor name to a NumPy array of the tensor's device shape and
+  dtype. A tensor and its views (``kernel.aliases``) share the data, reshaped.
+* Every core has a real scratchpad: ``np.full(stage.sp_peak_bytes, 0xFF, np.uint8)``, fresh for
+  each stage. A buffer's slot ``s`` is the byte range ``[offset + s * slot_bytes, ... +
+  prod(block) * itemsize)`` seen in the buffer's dtype, so a never-written word reads as NaN for
+  float types, -1 for int32 and True for bool (the all-ones bytes).
+* A stage runs step by step and core by core in plain Python loops. Load units copy whole block
+  bytes from device memory into the slot; ring transfers copy the bytes of the source core's slot
+  after the sources' loads of that step; the compute units read their tiles out of scratchpad
+  bytes and write their results back as bytes; the store units copy the output slot's bytes to
+  device memory.
+* Double buffering as in :func:`device_model.execute.run_stage`: step 0's loads, then for each
+  step ``t``: step ``t + 1``'s loads into slot ``(t + 1) % slots``, step ``t``'s compute on slot
+  ``t % slots``, step ``t``'s stores.
+* Compute semantics come from :mod:`device_model.ops` with ``xp=numpy``, applied to one core's
+  tile at a time (a leading core axis of size 1).
+
+It is slow (a Python loop over cores and steps); use it on small kernels, in tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import ops
+from .kernel import Kernel, Operand, SpBuf, Stage, TensorDecl, blocks_of, check_kernel
+from .layout import DTYPES, np_dtype
+
+__all__ = ["run_kernel_reference", "reference_runner", "run_stage_reference", "Scratchpad"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one core's scratchpad
+
+
+class Scratchpad:
+    """One core's scratchpad for one stage: raw bytes, addressed through the stage's buffers."""
+
+    def __init__(self, stage: Stage):
+        self.nbytes = stage.sp_peak_bytes
+        self.mem = np.full(self.nbytes, 0xFF, np.uint8)
+        self.bufs = {b.name: b for b in stage.scratch}
+
+    def _span(self, buf: SpBuf, slot: int) -> tuple[int, int]:
+        if not 0 <= slot < buf.slots:
+            raise IndexError(f"scratchpad buffer {buf.name}: slot {slot} of {buf.slots}")
+        start = buf.offset + slot * buf.slot_bytes
+        end = start + math.prod(buf.block) * DTYPES[buf.dtype]
+        if start < 0 or end > self.nbytes or end > buf.end:
+            raise IndexError(
+                f"scratchpad buffer {buf.name}: bytes [{start}, {end}) outside the "
+                f"{self.nbytes} B scratchpad or the buffer"
+            )
+        return start, end
+
+    def read_bytes(self, name: str, slot: int) -> np.ndarray:
+        """A copy of the bytes of one slot of buffer ``name``."""
+        start, end = self._span(self.bufs[name], slot)
+        return self.mem[start:end].copy()
+
+    def write_bytes(self, name: str, slot: int, data: np.ndarray) -> None:
+        """Overwrite one slot of buffer ``name`` with exactly its size in bytes."""
+        start, end = self._span(self.bufs[name], slot)
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if data.size != end - start:
+            raise ValueError(f"scratchpad buffer {name}: writing {data.size} B into {end - start}")
+        self.mem[start:end] = data
+
+    def read(self, name: str, slot: int) -> np.ndarray:
+        """One slot of buffer ``name`` seen as its dtype and block shape (a copy)."""
+        buf = self.bufs[name]
+        raw = self.read_bytes(name, slot)
+        if buf.dtype == "bool":
+            # any nonzero byte is True (the never-written 0xFF bytes included)
+            return (raw != 0).reshape(buf.block)
+        return raw.view(np_dtype(buf.dtype)).reshape(buf.block)
+
+    def write(self, name: str, slot: int, tile: Any) -> None:
+        """Write a tile of the buffer's block shape, converted to the buffer's dtype."""
+        buf = self.bufs[name]
+        tile = np.asarray(tile)
+        if tuple(tile.shape) != tuple(buf.block):
+            raise ValueError(
+                f"scratchpad buffer {name}: tile {tuple(tile.shape)} is not its block {buf.block}"
+            )
+        self.write_bytes(name, slot, tile.astype(np_dtype(buf.dtype)))
+
+
+# ---------------------------------------------------------------------------------------------
+# device memory blocks
+
+
+def block_slices(
+    device_shape: tuple[int, ...], block: tuple[int, ...], index: int
+) -> tuple[slice, ...]:
+    """Where block ``index`` (row-major over the block grid) lies in the device tensor."""
+    grid = blocks_of(device_shape, block)
+    n = math.prod(grid)
+    if not 0 <= index < n:
+        raise IndexError(f"block {index} out of range for {n} blocks of {block} in {device_shape}")
+    coord = np.unravel_index(index, grid) if grid else ()
+    return tuple(slice(int(i) * b, (int(i) + 1) * b) for i, b in zip(coord, block, strict=True))
+
+
+def _check_dtype(what: str, tensor_dtype: str, buf: SpBuf) -> None:
+    if tensor_dtype != buf.dtype:
+        raise TypeError(
+            f"{what}: tensor dtype {tensor_dtype} differs from scratchpad buffer "
+            f"{buf.name} dtype {buf.dtype}; a byte copy would reinterpret the data"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# the units of one core
+
+
+def _load(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, slot: int) -> None:
+    """Load unit: one block's bytes from device memory into a scratchpad slot."""
+    dev = mem[op.tensor]
+    data = np.ascontiguousarray(dev[block_slices(dev.shape, op.block, block)])
+    sp.write_bytes(op.sp, slot, data)
+
+
+def _store(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, slot: int) -> None:
+    """Store unit: the output slot's bytes into one block of device memory."""
+    dev = mem[op.tensor]
+    raw = sp.read_bytes(op.sp, slot)
+    dev[block_slices(dev.shape, op.block, block)] = raw.view(dev.dtype).reshape(op.block)
+
+
+def _compute(
+    stage: Stage,
+    sp: Scratchpad,
+    t: int,
+    store_block: int,
+    mem: dict[str, np.ndarray],
+    decls: dict[str, TensorDecl],
+) -> None:
+    """One core's PEs/SFUs (and, for gathers, its indirect loads) at step ``t``."""
+    _, _, params = stage.body[0]
+    out = stage.output
+    oslot = t % stage.sp(out.sp).slots
+
+    def tile(op: Operand) -> np.ndarray:
+        # the tile of one input with a leading core axis of size 1
+        return sp.read(op.sp, t % stage.sp(op.sp).slots)[None]
+
+    if stage.kind == "map":
+        body, space_block = params
+        tiles = [tile(op) for op in stage.inputs]
+        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
+        r = ops.run_map(np, body, tiles, dts, tuple(space_block), 1)
+        r = ops.narrow(np, r, body.out_dtype)
+        want = out.block
+        if r.ndim - 1 < len(want):
+            r = r.reshape((1, *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
+        sp.write(out.sp, oslot, ops.fit(np, r, want)[0])
+    elif stage.kind == "matmul":
+        body = params
+        lhs, rhs = (tile(op) for op in stage.inputs)  # [1, 1, tm, tkp], [1, 1, tk, tn]
+        acc = sp.read("acc", 0)[None]
+        acc = ops.run_matmul_step(np, acc, lhs, rhs, bool(stage.first[t]))
+        sp.write("acc", 0, acc[0])
+        r = ops.narrow(np, acc, body.out_dtype)
+        sp.write(out.sp, oslot, ops.fit(np, r, out.block)[0])
+    elif stage.kind == "gather":
+        body = params
+        idx = tile(stage.inputs[0])[0].astype(np.int32)  # [trp]
+        table = mem[body.table]
+        td = out.block[-1]
+        ncb = table.shape[-1] // td
+        col = 0 if store_block < 0 else store_block % ncb
+        tr = out.block[0]
+        fill = getattr(body, "fill_value", None)
+        if fill is None:
+            fill = np.nan if table.dtype.kind == "f" else 0
+        rows = np.empty((len(idx), td), table.dtype)
+        for i, ix in enumerate(idx):
+            ix = int(ix)
+            valid = 0 <= ix < body.num_rows
+            row = min(max(ix, 0), body.num_rows - 1)
+            # the indirect load: one row segment straight from device memory
+            rows[i] = table[row, col * td : (col + 1) * td]
+            if body.mode == "fill" and not valid:
+                rows[i] = np.asarray(fill).astype(table.dtype)
+        rows = ops.fit(np, rows[None], (tr, td))
+        sp.write(out.sp, oslot, rows[0])
+    elif stage.kind == "reshape":
+        body = params
+        x = tile(stage.inputs[0])
+        x = x[:, :, : body.l_in].reshape(1, out.block[0], body.l_out)
+        sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
+    elif stage.kind == "concat":
+        body = params
+        parts = []
+        for op, n in zip(stage.inputs, body.sizes, strict=True):
+            x = tile(op)
+            sl = [slice(None)] * x.ndim
+            sl[1 + body.axis] = slice(0, n)
+            parts.append(x[tuple(sl)])
+        x = np.concatenate(parts, axis=1 + body.axis)
+        x = x.astype(np_dtype(decls[out.tensor].layout.dtype))
+        sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
+    else:
+        raise ValueError(f"stage {stage.name}: unknown stage kind {stage.kind}")
+
+
+# ---------------------------------------------------------------------------------------------
+# stages and kernels
+
+
+def run_stage_reference(
+    stage: Stage, mem: dict[str, np.ndarray], decls: dict[str, TensorDecl], ncores: int
+) -> np.ndarray:
+    """Run one stage on ``ncores`` fresh scratchpads; returns the output tensor's device array."""
+    out = stage.output
+    out_layout = decls[out.tensor].layout
+    for op in stage.inputs:
+        where = f"stage {stage.name} input {op.tensor}"
+        _check_dtype(where, _dtype_name(mem[op.tensor]), stage.sp(op.sp))
+    _check_dtype(f"stage {stage.name} output {out.tensor}", out_layout.dtype, stage.sp(out.sp))
+    # the output's device buffer starts as zeros, as in the vectorized executor
+    mem[out.tensor] = np.zeros(out_layout.device_shape, np_dtype(out_layout.dtype))
+    cores = [Scratchpad(stage) for _ in range(ncores)]
+    T = stage.steps
+
+    def load_step(t: int) -> None:
+        for i, op in enumerate(stage.inputs):
+            slot = t % stage.sp(op.sp).slots
+            for c in range(ncores):
+                blk = stage.loads[t][i][c]
+                if blk >= 0:
+                    _load(cores[c], op, mem, blk, slot)
+            # ring transfers, after every source has loaded its block of this step
+            for c in range(ncores):
+                src = stage.ring[t][i][c]
+                if src >= 0:
+                    cores[c].write_bytes(op.sp, slot, cores[src].read_bytes(op.sp, slot))
+
+    if T:
+        load_step(0)
+    for t in range(T):
+        if t + 1 < T:
+            load_step(t + 1)
+        oslot = t % stage.sp(out.sp).slots
+        for c in range(ncores):
+            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls)
+            blk = stage.stores[t][c]
+            if blk >= 0:
+                _store(cores[c], out, mem, blk, oslot)
+    return mem[out.tensor]
+
+
+def _dtype_name(a: np.ndarray) -> str:
+    return "bfloat16" if a.dtype == np_dtype("bfloat16") else a.dtype.name
+
+
+def run_kernel_reference(kernel: Kernel, args: list[np.ndarray]) -> list[np.ndarray]:
+    """Interpret ``kernel`` on its input device buffers; returns its output device buffers."""
+    check_kernel(kernel)
+    decls = {t.name: t for t in kernel.tensors}
+    if len(args) != len(kernel.inputs):
+        raise TypeError(f"kernel {kernel.name}: {len(kernel.inputs)} inputs, got {len(args)}")
+    mem: dict[str, np.ndarray] = {}
+    for name, a in zip(kernel.inputs, args, strict=True):
+        lay = decls[name].layout
+        arr = np.array(a, copy=True)
+        if tuple(arr.shape) != tuple(lay.device_shape) or _dtype_name(arr) != lay.dtype:
+            raise TypeError(
+                f"kernel {kernel.name}: input {name} wants {lay.dtype}{list(lay.device_shape)}, "
+                f"got {_dtype_name(arr)}{list(arr.shape)}"
+            )
+        mem[name] = arr
+
+    def resolve() -> None:
+        # a view and its base are the same buffer: whichever exists gives the other
+        changed = True
+        while changed:
+            changed = False
+            for view, base in kernel.aliases:
+                for have, want in ((base, view), (view, base)):
+                    if have in mem and want not in mem:
+                        mem[want] = mem[have].reshape(decls[want].layout.device_shape)
+                        changed = True
+
+    resolve()
+    with np.errstate(all="ignore"):  # NaN from uninitialized scratchpad is expected
+        for st in kernel.stages:
+            run_stage_reference(st, mem, decls, kernel.num_cores)
+            resolve()
+    return [np.array(mem[o], copy=True) for o in kernel.outputs]
+
+
+def reference_runner(kernel: Kernel) -> Callable[..., list[np.ndarray]]:
+    """Like :func:`device_model.execute.build_runner`: ``runner(*input_buffers) -> outputs``."""
+
+    def runner(*args: Any) -> list[np.ndarray]:
+        return run_kernel_reference(kernel, [np.asarray(a) for a in args])
+
+    return runner
