@@ -341,6 +341,7 @@ def _compute(
     decls: dict[str, Any],
     store_idx: Any,
     dl16: bool = False,
+    last: Any = True,
 ) -> None:
     """The PEs/SFUs (and, for gathers, the indirect loads) of one step, scratchpad to scratchpad."""
     unit, kind, params = stage.body[0]
@@ -366,6 +367,8 @@ def _compute(
             acc = bufs.read("acc", 0)
             acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
         bufs.write("acc", 0, acc)
+        if last is False:  # the output tile is written (and stored) after the last K step only
+            return
         r = ops.narrow(jnp, acc, body.out_dtype, dl16)
         bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
     elif stage.kind == "gather":
@@ -442,18 +445,39 @@ def run_stage(
         for i, op in enumerate(stage.inputs):
             _load(bufs, op, blocked[i], loads[i], ring[i], t % nslots[i] if nslots[i] > 1 else 0)
 
-    def step(t: Any, stores: Any, first: Any, ob: jax.Array) -> jax.Array:
+    def step(t: Any, stores: Any, first: Any, ob: jax.Array, last: Any = True) -> jax.Array:
         oslot = t % oslots if oslots > 1 else 0
         slot = t % nslots[0] if stage.inputs and nslots[0] > 1 else 0
-        _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16)
-        return _store(ob, bufs.read(out.sp, oslot), stores)
+        if stage.kind != "matmul" or last is True:
+            _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16)
+            return _store(ob, bufs.read(out.sp, oslot), stores)
+        if last is False:
+            _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16, last=False)
+            return ob
+        # a K loop inside a scan: accumulate every step; round, write and store on the last
+        _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16, last=False)
+        acc = bufs.read("acc", 0)
+        mm = stage.body[0][2]
+
+        def finish(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            out_data, ob = operands
+            bufs.data[out.sp] = out_data
+            r = ops.fit(jnp, ops.narrow(jnp, acc, mm.out_dtype, dl16), out.block)
+            bufs.write(out.sp, oslot, r)
+            return bufs.data[out.sp], _store(ob, bufs.read(out.sp, oslot), stores)
+
+        out_data, ob = lax.cond(last, finish, lambda o: o, (bufs.data[out.sp], ob))
+        bufs.data[out.sp] = out_data
+        return ob
 
     if T <= UNROLL_STEPS:
         load_step(0, tab["loads"][0], tab["ring"][0])
         for t in range(T):
             if t + 1 < T:
                 load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1])
-            out_blocked = step(t, tab["stores"][t], bool(tab["first"][t]), out_blocked)
+            out_blocked = step(
+                t, tab["stores"][t], bool(tab["first"][t]), out_blocked, bool(tab["last"][t])
+            )
     else:
         load_step(0, tab["loads"][0], tab["ring"][0])
         nxt_loads = np.concatenate([tab["loads"][1:], -np.ones_like(tab["loads"][:1])])
@@ -467,16 +491,18 @@ def run_stage(
             jnp.asarray(nxt_ring),
             jnp.asarray(tab["stores"]),
             jnp.asarray(tab["first"]),
+            jnp.asarray(tab["last"]),
         )
+        last_all = bool(tab["last"].all())
 
         def body(carry: tuple[dict[str, jax.Array], jax.Array], x: Any) -> tuple[Any, None]:
             bufs.data, ob = dict(carry[0]), carry[1]
-            t, nl, nr, st, fi = x
+            t, nl, nr, st, fi, la = x
             # a lazily forwarded operand's ring table is the same every step: keep it static
             rings = [tab["ring"][0, i] if lazy[i] else nr[i] for i in range(len(stage.inputs))]
             load_step(t + 1, nl, rings)
             fi = True if first_all else (False if first_none else fi)
-            ob = step(t, st, fi, ob)
+            ob = step(t, st, fi, ob, True if last_all else la)
             return (dict(bufs.data), ob), None
 
         (data, out_blocked), _ = lax.scan(body, (dict(bufs.data), out_blocked), xs)

@@ -19,7 +19,8 @@ fast, the opposite of the vectorized executor:
   step ``t``: step ``t + 1``'s loads into slot ``(t + 1) % slots``, step ``t``'s compute on slot
   ``t % slots``, step ``t``'s stores.
 * Compute semantics come from :mod:`device_model.ops` with ``xp=numpy``, applied to one core's
-  tile at a time (a leading core axis of size 1).
+  tile at a time (a leading core axis of size 1); with ``kernel.dl16`` the map and matmul results
+  stored as fp16/bf16 round through DL16 first, as in the vectorized executor.
 
 It is slow (a Python loop over cores and steps); use it on small kernels, in tests.
 """
@@ -145,8 +146,12 @@ def _compute(
     store_block: int,
     mem: dict[str, np.ndarray],
     decls: dict[str, TensorDecl],
+    dl16: bool = False,
 ) -> None:
-    """One core's PEs/SFUs (and, for gathers, its indirect loads) at step ``t``."""
+    """One core's PEs/SFUs (and, for gathers, its indirect loads) at step ``t``.
+
+    ``dl16``: float results stored as fp16/bf16 round through DL16 first (``Kernel.dl16``).
+    """
     _, _, params = stage.body[0]
     out = stage.output
     oslot = t % stage.sp(out.sp).slots
@@ -160,7 +165,7 @@ def _compute(
         tiles = [tile(op) for op in stage.inputs]
         dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
         r = ops.run_map(np, body, tiles, dts, tuple(space_block), 1)
-        r = ops.narrow(np, r, body.out_dtype)
+        r = ops.narrow(np, r, body.out_dtype, dl16)
         want = out.block
         if r.ndim - 1 < len(want):
             r = r.reshape((1, *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
@@ -171,7 +176,7 @@ def _compute(
         acc = sp.read("acc", 0)[None]
         acc = ops.run_matmul_step(np, acc, lhs, rhs, bool(stage.first[t]))
         sp.write("acc", 0, acc[0])
-        r = ops.narrow(np, acc, body.out_dtype)
+        r = ops.narrow(np, acc, body.out_dtype, dl16)
         sp.write(out.sp, oslot, ops.fit(np, r, out.block)[0])
     elif stage.kind == "gather":
         body = params
@@ -220,7 +225,11 @@ def _compute(
 
 
 def run_stage_reference(
-    stage: Stage, mem: dict[str, np.ndarray], decls: dict[str, TensorDecl], ncores: int
+    stage: Stage,
+    mem: dict[str, np.ndarray],
+    decls: dict[str, TensorDecl],
+    ncores: int,
+    dl16: bool = False,
 ) -> np.ndarray:
     """Run one stage on ``ncores`` fresh scratchpads; returns the output tensor's device array."""
     out = stage.output
@@ -254,7 +263,7 @@ def run_stage_reference(
             load_step(t + 1)
         oslot = t % stage.sp(out.sp).slots
         for c in range(ncores):
-            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls)
+            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls, dl16)
             blk = stage.stores[t][c]
             if blk >= 0:
                 _store(cores[c], out, mem, blk, oslot)
@@ -296,7 +305,7 @@ def run_kernel_reference(kernel: Kernel, args: list[np.ndarray]) -> list[np.ndar
     resolve()
     with np.errstate(all="ignore"):  # NaN from uninitialized scratchpad is expected
         for st in kernel.stages:
-            run_stage_reference(st, mem, decls, kernel.num_cores)
+            run_stage_reference(st, mem, decls, kernel.num_cores, getattr(kernel, "dl16", False))
             resolve()
     return [np.array(mem[o], copy=True) for o in kernel.outputs]
 
