@@ -46,6 +46,8 @@ class CardSpec:
             timing-model work against the measured softmax.
         sfu_ops_per_elem_transcendental: 4 SFU passes for exp/log/tanh/erf/logistic/rsqrt/...
             Assumption (not published).
+        device_memory_efficiency: 1.0 (placeholder until calibrated). The fraction of the
+            peak device-memory bandwidth that streaming loads and stores achieve.
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
             DL16 (IBM DLFloat16: 6 exponent, 9 fraction bits, ties away from zero; see
             ``device_model.numerics``), the 16-bit format the card's units work in, then to the
@@ -69,6 +71,7 @@ class CardSpec:
     pcie_bw: float = 64e9
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
+    device_memory_efficiency: float = 1.0
     dl16_rounding: bool = False
 
     def __post_init__(self) -> None:
@@ -80,6 +83,8 @@ class CardSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ValueError(f"CardSpec.{f.name} must be a positive number, got {v!r}")
+        if self.device_memory_efficiency > 1:
+            raise ValueError("CardSpec.device_memory_efficiency must be at most 1")
         if self.scratchpad_usable_frac > 1:
             raise ValueError("CardSpec.scratchpad_usable_frac must be at most 1")
         if self.device_memory_ecc_bytes >= self.device_memory_bytes:

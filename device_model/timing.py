@@ -11,6 +11,13 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
 
 Double buffering overlaps step t's compute with step t+1's loads and step t's stores:
 ``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + S_t)/bw)``; stages run one after another.
+``bw`` is the *achieved* device-memory bandwidth, ``device_memory_bw x device_memory_efficiency``
+(both :class:`~device_model.card.CardSpec` fields; the efficiency is the one calibrated figure, see
+its docstring).
+
+``kernel_cost`` adds a per-unit breakdown: busy and idle time of the PEs, the SFUs, the load/store
+units (device-memory traffic) and the ring over the kernel, and the unit that bounds it (the
+busiest).
 """
 
 from __future__ import annotations
@@ -83,12 +90,25 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
             per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
             rate = card.sfu_elems_per_cycle * card.corelets_per_core
             C[t] = per_core / rate / card.clock_hz
-    bw = card.device_memory_bw
+    bw = card.device_memory_bw * card.device_memory_efficiency
     total = L[0] / bw + R[0]
+    starts = []
     for t in range(T):
+        starts.append(total)
         nxt_l = L[t + 1] if t + 1 < T else 0
         nxt_r = R[t + 1] if t + 1 < T else 0.0
         total += max(C[t], nxt_r, (nxt_l + S[t]) / bw)
+    # per step: which cores work (load, receive or store) -- for the trace's per-core tracks
+    cores = [
+        tuple(
+            c
+            for c in range(len(s.stores[t]))
+            if s.stores[t][c] >= 0
+            or any(s.loads[t][i][c] >= 0 or s.ring[t][i][c] >= 0 for i in range(len(s.inputs)))
+        )
+        for t in range(T)
+    ]
+    unit = "PE" if kind == "matmul" else ("SFU" if kind == "map" else "load/store")
     return {
         "stage": s.name,
         "kind": s.kind,
@@ -103,6 +123,19 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         "cores_used": len(active) if active else sum(1 for b in s.stores[0] if b >= 0),
         "scratchpad_bytes": s.sp_peak_bytes,
         "flops": s.flops,
+        "unit": unit,  # the compute unit the stage's body runs on
+        # the timeline of the stage, for the trace: per step its compute start (s from the
+        # stage's start), compute time, load/store bytes and ring time, and its busy cores
+        "timeline": {
+            "prologue_s": L[0] / bw + R[0],
+            "starts_s": starts,
+            "compute_s": C,
+            "load_bytes": L,
+            "store_bytes": S,
+            "ring_s": R,
+            "cores": cores,
+            "bandwidth": bw,
+        },
     }
 
 
@@ -111,6 +144,22 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     dtypes = {t.name: t.layout.dtype for t in k.tensors}
     stages = [stage_cost(s, dtypes, card) for s in k.stages]
     padding = sum(t.layout.padding_bytes for t in k.tensors if t.role != "view")
+    total = sum(s["time_s"] for s in stages)
+    busy = {"PE": 0.0, "SFU": 0.0, "load/store": 0.0, "ring": 0.0}
+    for s in stages:
+        if s["unit"] in ("PE", "SFU"):
+            busy[s["unit"]] += s["compute_s"]
+        busy["load/store"] += s["memory_s"]
+        busy["ring"] += s["ring_s"]
+    breakdown = {
+        u: {
+            "busy_us": b * 1e6,
+            "idle_us": max(0.0, total - b) * 1e6,
+            "busy_fraction": (b / total) if total else 0.0,
+        }
+        for u, b in busy.items()
+    }
+    bound = max(busy, key=lambda u: busy[u]) if total else "none"
     out = {
         "flops": float(sum(s["flops"] for s in stages)),
         "device_bytes": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
@@ -124,6 +173,8 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         "memory_us": sum(s["memory_s"] for s in stages) * 1e6,
         "ring_bytes": float(sum(s["ring_bytes"] for s in stages)),
         "num_stages": len(stages),
+        "breakdown": breakdown,
+        "bound": bound,
         "stages": stages,
     }
     return out

@@ -14,12 +14,28 @@ from lowering.errors import TilingError, UnsupportedPrimitiveError
 from . import errors
 from .api import Compiled, Jitted, Lowered, jit
 from .runtime import Array, Device, device_put, devices, memory_stats, set_card
+from .streams import (
+    Event,
+    Stream,
+    current_stream,
+    default_stream,
+    set_race_mode,
+    stream,
+    synchronize,
+)
 
 __all__ = [
     "Array",
     "CardSpec",
     "Compiled",
     "Device",
+    "Event",
+    "Stream",
+    "current_stream",
+    "default_stream",
+    "set_race_mode",
+    "stream",
+    "synchronize",
     "DeviceOOMError",
     "Jitted",
     "Lowered",

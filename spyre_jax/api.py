@@ -16,12 +16,21 @@ from device_model.execute import build_runner
 from device_model.kernel import Kernel, format_kernel
 from device_model.layout import layout_for
 from device_model.memory import DeviceOOMError
+from device_model.recipe import Recipe
 from device_model.timing import kernel_cost
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
 from lowering.pipeline import compile_graph
 
-from .runtime import Array, device_put, host_dtype, new_array, runtime, to_device_buffer
+from .runtime import (
+    Array,
+    current_stream_id,
+    device_put,
+    host_dtype,
+    new_array,
+    runtime,
+    to_device_buffer,
+)
 
 __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
@@ -79,6 +88,18 @@ class Compiled:
                 self._consts.append(new_array(rt, addr, lay, to_device_buffer(arr, lay)))
         self._out_layouts = [decls[o].layout for o in kernel.outputs]
         self._temp_bytes = sum(t.layout.nbytes for t in kernel.tensors if t.role == "temp")
+        self._out_sizes = [lay.nbytes for lay in self._out_layouts] + [self._temp_bytes]
+        self._const_addrs = tuple(c._addr for c in self._consts)
+        self._kernel_s = self._cost["sim_time_us"] * 1e-6
+        self._step_name = f"run {kernel.name}"
+        self.recipe = Recipe.for_kernel(
+            kernel.name,
+            [decls[n].layout for n in kernel.inputs[:n_in]],
+            self._out_layouts,
+            self._kernel_s,
+            len(self._consts),
+            rt.card,
+        )
 
     def cost_analysis(self) -> dict[str, Any]:
         """Figures of the schedule: flops, device_bytes, scratchpad_peak_bytes, padding_bytes,
@@ -95,8 +116,16 @@ class Compiled:
         )  # pragma: no cover
 
     def _run(self, leaves: list[Any]) -> Any:
+        """One launch: the recipe's copy-ins for host arguments, the kernel step, on the current
+        stream. Refused (RaceError, StreamError, DeviceOOMError) before anything changes."""
         rt = self._rt
-        bufs, temps = [], []
+        q = rt.queues
+        sid = current_stream_id()
+        # a race on a device-resident argument is refused before anything is allocated
+        q.check_reads(
+            sid, "run_kernel", self._step_name, [x._addr for x in leaves if isinstance(x, Array)]
+        )
+        bufs, temps, reads = [], [], []
         try:
             for x in leaves:
                 if not isinstance(x, Array):
@@ -105,9 +134,9 @@ class Compiled:
                     x = device_put(x)  # host values are copied in, freed after the call
                     temps.append(x)
                 bufs.append(x._buffer())
-            sizes = [lay.nbytes for lay in self._out_layouts] + [self._temp_bytes]
+                reads.append(x._addr)
             with rt.lock:
-                addrs = rt.memory.allocate_many(sizes, tag="launch")
+                addrs = rt.memory.allocate_many(self._out_sizes, tag="launch")
             try:
                 outs = self._runner(*bufs, *[c._buffer() for c in self._consts])
             except BaseException:
@@ -119,6 +148,15 @@ class Compiled:
                 new_array(rt, a, lay, o)
                 for a, lay, o in zip(addrs[:-1], self._out_layouts, outs, strict=True)
             ]
+            q.submit(
+                sid,
+                "run_kernel",
+                self._step_name,
+                reads=(*reads, *self._const_addrs),
+                writes=addrs[:-1],
+                duration=self._kernel_s,
+                detail=self._cost,
+            )
         finally:
             for t in temps:
                 t.delete()

@@ -2,6 +2,7 @@
 
 from device_model.kernel import ScheduleError
 from device_model.memory import DeviceOOMError
+from device_model.streams import RaceError, RaceWarning, StreamError
 from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
 from lowering.graph import GraphError
 
@@ -9,6 +10,9 @@ __all__ = [
     "DeviceOOMError",
     "GraphError",
     "LoweringError",
+    "RaceError",
+    "RaceWarning",
+    "StreamError",
     "ScheduleError",
     "TilingError",
     "UnsupportedPrimitiveError",

@@ -14,6 +14,8 @@ import numpy as np
 from device_model.card import DEFAULT_CARD, CardSpec
 from device_model.layout import SUPPORTED_DTYPES, TensorLayout, layout_for, np_dtype
 from device_model.memory import DeviceMemory, DeviceOOMError
+from device_model.recipe import copy_seconds
+from device_model.streams import DEFAULT_STREAM, Queues
 
 __all__ = [
     "Array",
@@ -29,12 +31,32 @@ __all__ = [
 
 
 class Runtime:
-    """One card: its spec and its device memory."""
+    """One card: its spec, its device memory, and its streams (``device_model.streams``)."""
 
-    def __init__(self, card: CardSpec):
+    def __init__(self, card: CardSpec, race_mode: str = "raise"):
         self.card = card
         self.memory = DeviceMemory(card.device_memory_usable_bytes, card.stick_bytes)
+        self.queues = Queues(race_mode=race_mode)
         self.lock = threading.RLock()
+
+
+_local = threading.local()
+
+
+def stream_stack() -> list[Any]:
+    """This thread's ``with spyre_jax.stream(s)`` stack (innermost last)."""
+    st = getattr(_local, "stack", None)
+    if st is None:
+        st = _local.stack = []
+    return st
+
+
+def current_stream_id() -> int:
+    """The id of the stream launches go to now (0 outside any ``with spyre_jax.stream``)."""
+    st = getattr(_local, "stack", None)
+    if st and st[-1]._rt is _runtime:
+        return st[-1].id
+    return DEFAULT_STREAM
 
 
 _runtime = Runtime(DEFAULT_CARD)
@@ -49,7 +71,7 @@ def set_card(card: CardSpec) -> None:
     global _runtime
     if _runtime.memory.stats()["num_live_allocs"]:
         raise RuntimeError("spyre: cannot change the card while device arrays are live")
-    _runtime = Runtime(card)
+    _runtime = Runtime(card, _runtime.queues.race_mode)
 
 
 class Device:
@@ -119,7 +141,7 @@ class Array:
         self._rt = rt
         self._addr = addr
         self._layout = layout
-        self._fin = weakref.finalize(self, _free_quiet, rt.memory, addr)
+        self._fin = weakref.finalize(self, _free_quiet, rt, addr)
 
     # --- metadata
     @property
@@ -166,12 +188,27 @@ class Array:
         return self._rt.memory.load(self._addr)
 
     def block_until_ready(self) -> Array:
+        """Wait (the host, in simulated time too) for the step that computes this array."""
         self._buffer().block_until_ready()
+        self._rt.queues.wait_for_writer(self._addr)
         return self
 
     # --- host access
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         buf = np.asarray(self._buffer())
+        # a copy-out step on the stream that wrote the array; the host waits for it
+        q = self._rt.queues
+        sid = q.writer_stream(self._addr)
+        n = self._layout.nbytes
+        q.submit(
+            sid,
+            "copy_out",
+            f"copy out {self._layout.dtype}{list(self.shape)}",
+            reads=(self._addr,),
+            duration=copy_seconds(n, self._rt.card),
+            nbytes=n,
+        )
+        q.synchronize(sid)
         if self.shape:
             out = buf[..., : self.shape[-1]]
         else:
@@ -190,9 +227,10 @@ class Array:
         return self.shape[0]
 
 
-def _free_quiet(mem: DeviceMemory, addr: int) -> None:
-    if addr in mem:
-        mem.free(addr)
+def _free_quiet(rt: Runtime, addr: int) -> None:
+    if addr in rt.memory:
+        rt.memory.free(addr)
+        rt.queues.forget(addr)
 
 
 def new_array(rt: Runtime, addr: int, layout: TensorLayout, buf: jax.Array) -> Array:
@@ -222,6 +260,8 @@ def device_put(x: Any, device: Device | None = None) -> Array:
     host = np.asarray(x)
     layout = layout_for(host.shape, dt, _runtime.card.stick_bytes)
     rt = _runtime
+    sid = current_stream_id()
+    rt.queues.state(sid)  # a destroyed stream is refused before anything is allocated
     with rt.lock:
         addr = rt.memory.alloc(layout.nbytes, tag="device_put")
         try:
@@ -229,4 +269,14 @@ def device_put(x: Any, device: Device | None = None) -> Array:
         except BaseException:
             rt.memory.free(addr)
             raise
-        return new_array(rt, addr, layout, buf)
+        arr = new_array(rt, addr, layout, buf)
+    n = layout.nbytes
+    rt.queues.submit(
+        sid,
+        "copy_in",
+        f"copy in {layout.dtype}{list(layout.shape)}",
+        writes=(addr,),
+        duration=copy_seconds(n, rt.card),
+        nbytes=n,
+    )
+    return arr
