@@ -128,6 +128,11 @@ class Compiled:
         bufs, temps, reads = [], [], []
         try:
             for x in leaves:
+                if isinstance(x, Array) and x._rt is not rt:
+                    raise ValueError(
+                        "spyre: an argument lives on a previous card (before set_card); "
+                        "copy it with spyre_jax.device_put(np.asarray(a))"
+                    )
                 if not isinstance(x, Array):
                     if _is_int64(x):  # the caller was warned once already (``Jitted._split``)
                         x = np.asarray(x).astype(np.int32)
@@ -224,8 +229,9 @@ class Jitted:
             # once per call, attributed to the user's call site: _split <- __call__/lower <- user
             warnings.warn(_INT64_WARNING, UserWarning, stacklevel=3)
         try:
-            card = runtime().card  # a different card is a different compilation
-            key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw, card)
+            # a different card (set_card: a new runtime) is a different compilation
+            rt = runtime()
+            key = (tree, avals, tuple(dyn_pos), tuple(static_leaves), static, static_kw, rt)
             hash(key)
         except TypeError as e:
             raise TypeError(f"spyre_jax.jit: static arguments must be hashable ({e})") from None
