@@ -42,8 +42,10 @@ def _is_array_leaf(x: Any) -> bool:
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
     if isinstance(x, Array):
-        x._buffer()  # raises if deleted
-        return x.shape, x.layout.dtype
+        if not x._fin.alive:
+            x._buffer()  # raises the RuntimeError saying it was deleted
+        lay = x._layout
+        return lay.shape, lay.dtype
     if isinstance(x, bool):
         return (), "bool"
     if isinstance(x, int) and not isinstance(x, np.generic):
@@ -88,7 +90,11 @@ class Compiled:
                 self._consts.append(new_array(rt, addr, lay, to_device_buffer(arr, lay)))
         self._out_layouts = [decls[o].layout for o in kernel.outputs]
         self._temp_bytes = sum(t.layout.nbytes for t in kernel.tensors if t.role == "temp")
-        self._out_sizes = [lay.nbytes for lay in self._out_layouts] + [self._temp_bytes]
+        # outputs, then (if any) one workspace for the intermediates
+        self._out_sizes = [lay.nbytes for lay in self._out_layouts] + (
+            [self._temp_bytes] if self._temp_bytes else []
+        )
+        self._nout = len(self._out_layouts)
         self._const_addrs = tuple(c._addr for c in self._consts)
         self._kernel_s = self._cost["sim_time_us"] * 1e-6
         self._step_name = f"run {kernel.name}"
@@ -148,17 +154,19 @@ class Compiled:
                 for a in addrs:
                     rt.memory.free(a)
                 raise
-            rt.memory.free(addrs[-1])  # the workspace of intermediates
+            out_addrs = addrs[: self._nout]
+            if len(addrs) > self._nout:
+                rt.memory.free(addrs[-1])  # the workspace of intermediates
             arrays = [
                 new_array(rt, a, lay, o)
-                for a, lay, o in zip(addrs[:-1], self._out_layouts, outs, strict=True)
+                for a, lay, o in zip(out_addrs, self._out_layouts, outs, strict=True)
             ]
             q.submit(
                 sid,
                 "run_kernel",
                 self._step_name,
                 reads=(*reads, *self._const_addrs),
-                writes=addrs[:-1],
+                writes=out_addrs,
                 duration=self._kernel_s,
                 detail=self._cost,
             )

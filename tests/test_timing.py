@@ -1,0 +1,96 @@
+"""The timing model: calibration, the per-unit breakdown, and that figures follow parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spyre_jax
+from spyre_jax.cli import SOFTMAX_MEASURED_US
+
+
+def _cost(f, *xs, card: spyre_jax.CardSpec | None = None) -> dict:
+    spyre_jax.set_card(card or spyre_jax.CardSpec())
+    try:
+        return spyre_jax.jit(f).lower(*xs).compile().cost_analysis()
+    finally:
+        spyre_jax.set_card(spyre_jax.CardSpec())
+
+
+_X = np.zeros((4096, 2048), np.float16)
+
+
+def _softmax(x):
+    return jax.nn.softmax(x, axis=-1)
+
+
+def test_softmax_calibrated_within_30_percent():
+    c = _cost(_softmax, _X)
+    assert 0.7 * SOFTMAX_MEASURED_US <= c["sim_time_us"] <= 1.3 * SOFTMAX_MEASURED_US
+    # what the model assumes to get there: one read and one write of the tensor
+    assert c["device_bytes"] == 2 * _X.nbytes
+    assert c["bound"] == "load/store"
+
+
+def test_breakdown_is_consistent():
+    for f, xs in [
+        (_softmax, (_X,)),
+        (lambda a, b: a @ b, (np.zeros((1024, 1024), np.float16),) * 2),
+    ]:
+        c = _cost(f, *xs)
+        total = c["sim_time_us"]
+        assert set(c["breakdown"]) == {"PE", "SFU", "load/store", "ring"}
+        for u, b in c["breakdown"].items():
+            assert 0.0 <= b["busy_fraction"] <= 1.0 + 1e-9, u
+            assert b["busy_us"] + b["idle_us"] == pytest.approx(total), u
+        busiest = max(c["breakdown"], key=lambda u: c["breakdown"][u]["busy_us"])
+        assert c["bound"] == busiest
+
+
+def test_memory_time_follows_bandwidth_parameters():
+    base = _cost(_softmax, _X)
+    card = spyre_jax.CardSpec()
+    faster = _cost(_softmax, _X, card=card.replace(device_memory_bw=2 * card.device_memory_bw))
+    assert faster["breakdown"]["load/store"]["busy_us"] == pytest.approx(
+        base["breakdown"]["load/store"]["busy_us"] / 2
+    )
+    eff = _cost(_softmax, _X, card=card.replace(device_memory_efficiency=1.0))
+    expect = 2 * _X.nbytes / card.device_memory_bw * 1e6
+    assert eff["breakdown"]["load/store"]["busy_us"] == pytest.approx(expect)
+
+
+def test_pe_time_follows_clock_and_array():
+    a = np.zeros((1024, 1024), np.float16)
+    card = spyre_jax.CardSpec()
+    base = _cost(lambda a, b: a @ b, a, a)
+    fast = _cost(lambda a, b: a @ b, a, a, card=card.replace(clock_hz=2 * card.clock_hz))
+    pe, pe2 = base["breakdown"]["PE"]["busy_us"], fast["breakdown"]["PE"]["busy_us"]
+    assert pe > 0 and pe2 == pytest.approx(pe / 2, rel=0.02)
+    # the PE work is at least the matmul's flops over the card's peak
+    assert pe * 1e-6 * card.peak_flops >= 2 * 1024**3 / card.num_cores * 0.99
+
+
+def test_sfu_time_follows_sfu_rate():
+    x = np.zeros((512, 1024), np.float32)
+    card = spyre_jax.CardSpec()
+    base = _cost(lambda x: jnp.tanh(jnp.exp(x) * 3.0), x)
+    fast = _cost(
+        lambda x: jnp.tanh(jnp.exp(x) * 3.0),
+        x,
+        card=card.replace(sfu_elems_per_cycle=2 * card.sfu_elems_per_cycle),
+    )
+    assert fast["breakdown"]["SFU"]["busy_us"] == pytest.approx(
+        base["breakdown"]["SFU"]["busy_us"] / 2
+    )
+
+
+def test_stage_timelines_add_up():
+    c = _cost(lambda a, b: jnp.tanh(a @ b), *(np.zeros((512, 512), np.float16),) * 2)
+    for st in c["stages"]:
+        tl = st["timeline"]
+        assert len(tl["starts_s"]) == st["steps"] == len(tl["cores"])
+        assert tl["starts_s"][0] == pytest.approx(tl["prologue_s"])
+        assert all(b >= a for a, b in zip(tl["starts_s"], tl["starts_s"][1:], strict=False))
+        assert tl["starts_s"][-1] <= st["time_s"] + 1e-12
