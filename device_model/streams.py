@@ -208,8 +208,11 @@ class Queues:
             for i in ids:
                 st = self.streams.get(i)
                 if st is None or not st.alive:
+                    # a reused id continues its count: clocks that saw its old steps must not
+                    # take the new ones as seen (destroy synchronized the host with it)
+                    seq = _seen(self.host_clock, i)
                     self.streams[i] = _StreamState(
-                        Token(i, 0, self.host_clock, self.host_time), priority
+                        Token(i, seq, self.host_clock, self.host_time), priority
                     )
                     return i
         raise StreamError(

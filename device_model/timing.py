@@ -32,13 +32,24 @@ from .layout import DTYPES
 __all__ = ["stage_cost", "kernel_cost"]
 
 
-def _ring_time(transfers: list[tuple[int, int, int]], card: CardSpec) -> float:
+def _ring_time(transfers: list[tuple[int, int, int, int]], card: CardSpec) -> float:
+    """The busiest directed link's time. ``transfers``: (operand, source, dest, bytes).
+
+    One operand's block sent from one source to several cores is a multicast: it travels each
+    way round the ring once, store-and-forward, as far as the furthest destination that way
+    (each takes the shorter way), so every link on the way carries it once.
+    """
     n = card.num_cores
     links: dict[tuple[int, int], int] = {}
-    for src, dst, nbytes in transfers:
+    reach: dict[tuple[int, int, int], tuple[int, int]] = {}  # (operand, src, dir) -> hops, bytes
+    for op, src, dst, nbytes in transfers:
         fwd = (dst - src) % n
         step = 1 if fwd <= n - fwd else -1
         hops = fwd if step == 1 else n - fwd
+        key = (op, src, step)
+        prev = reach.get(key, (0, nbytes))
+        reach[key] = (max(prev[0], hops), nbytes)
+    for (_op, src, step), (hops, nbytes) in reach.items():
         c = src
         for _ in range(hops):
             nxt = (c + step) % n
@@ -71,7 +82,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
                     L[t] += in_bytes[i]
                     active.add(c)
                 if rrow[c] >= 0:
-                    transfers.append((rrow[c], c, in_bytes[i]))
+                    transfers.append((i, rrow[c], c, in_bytes[i]))
                     ring_bytes += in_bytes[i]
                     active.add(c)
         nstore = sum(1 for b in s.stores[t] if b >= 0)

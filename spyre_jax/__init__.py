@@ -13,6 +13,7 @@ from lowering.errors import TilingError, UnsupportedPrimitiveError
 
 from . import errors
 from .api import Compiled, Jitted, Lowered, jit
+from .profile import profile
 from .runtime import Array, Device, device_put, devices, memory_stats, set_card
 from .streams import (
     Event,
@@ -46,5 +47,6 @@ __all__ = [
     "errors",
     "jit",
     "memory_stats",
+    "profile",
     "set_card",
 ]

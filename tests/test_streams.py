@@ -318,3 +318,18 @@ def test_recipe_is_printable_and_typed():
     assert c.recipe.steps[0].seconds == pytest.approx(
         c.recipe.steps[0].nbytes / spyre_jax.CardSpec().pcie_bw
     )
+
+
+def test_reused_stream_id_still_catches_races():
+    # regression: a destroyed stream's id restarted its count at 0, so clocks that had seen the
+    # old stream's steps took the new stream's writes as seen
+    q = Queues()
+    a = q.open_stream("low")
+    for i in range(3):
+        q.submit(a, "copy_in", f"old{i}", writes=(0x200 + i,))
+    q.destroy(a)
+    b = q.open_stream("low")
+    assert b == a
+    q.submit(b, "copy_in", "new", writes=(0x100,))
+    with pytest.raises(RaceError, match="new"):
+        q.submit(0, "run_kernel", "k", reads=(0x100,))

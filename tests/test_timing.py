@@ -94,3 +94,20 @@ def test_stage_timelines_add_up():
         assert tl["starts_s"][0] == pytest.approx(tl["prologue_s"])
         assert all(b >= a for a, b in zip(tl["starts_s"], tl["starts_s"][1:], strict=False))
         assert tl["starts_s"][-1] <= st["time_s"] + 1e-12
+
+
+def test_ring_broadcast_is_a_multicast():
+    # regression: a block forwarded from one core to all others was costed as 31 separate
+    # point-to-point copies (16x the bytes on the busiest link)
+    from device_model.timing import _ring_time
+
+    card = spyre_jax.CardSpec()
+    nbytes = 256 * 1024
+    bcast = [(0, 0, d, nbytes) for d in range(1, 32)]
+    one_link = nbytes / card.ring_bytes_per_cycle / card.clock_hz
+    assert _ring_time(bcast, card) == pytest.approx(one_link)
+    # two different operands from the same source do share the links
+    two = bcast + [(1, 0, d, nbytes) for d in range(1, 32)]
+    assert _ring_time(two, card) == pytest.approx(2 * one_link)
+    # a point-to-point copy over 3 hops loads each of its links once
+    assert _ring_time([(0, 5, 8, nbytes)], card) == pytest.approx(one_link)
