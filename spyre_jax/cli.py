@@ -66,8 +66,10 @@ def _fmt_bytes(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
-def run_demo(out: Any = sys.stdout) -> dict[str, Any]:
-    """Compile the demo block onto the card, run it, print the figures beside ``jax.jit``."""
+def run_demo(out: Any = None, trace: str | None = "spyre-demo-trace.json") -> dict[str, Any]:
+    """Compile the demo block onto the card, run it, print the figures beside ``jax.jit``;
+    write a Chrome trace of one launch (host arguments in, the kernel, the result out)."""
+    out = sys.stdout if out is None else out
     import jax
 
     import spyre_jax
@@ -100,11 +102,20 @@ def run_demo(out: Any = sys.stdout) -> dict[str, Any]:
         ("flops", f"{ca['flops'] / 1e6:.1f} MFLOP"),
         ("cold compile + first run (wall)", f"{cold:.2f} s"),
     ]
+    prof = None
+    if trace:
+        with spyre_jax.profile(trace, print_summary=False) as prof:
+            np.asarray(f(params, x))
+        rows.append(("trace of one launch (Perfetto)", str(prof.path.resolve())))
     w = max(len(r[0]) for r in rows)
     print("spyre-jax demo: a transformer block on the simulated Spyre card", file=out)
     for k, v in rows:
         print(f"  {k:<{w}}  {v}", file=out)
-    return {"max_abs_err": err, "cost": ca, "cold_s": cold}
+    if prof is not None:
+        from device_model.trace import format_summary
+
+        print("  " + format_summary(prof.summary).replace("\n", "\n  "), file=out)
+    return {"max_abs_err": err, "cost": ca, "cold_s": cold, "trace": trace}
 
 
 def _time(fn: Callable[[], Any], reps: int) -> float:
@@ -217,14 +228,17 @@ def bench_softmax() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spyre-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="run the transformer-block demo on the simulated card")
+    pd = sub.add_parser("demo", help="run the transformer-block demo on the simulated card")
+    pd.add_argument(
+        "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
+    )
     pb = sub.add_parser("bench", help="benchmarks")
     pb.add_argument("which", choices=["sim", "launch", "softmax"])
     pb.add_argument("--json", action="store_true", help="print one JSON object")
     pb.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
     if args.cmd == "demo":
-        run_demo()
+        run_demo(trace=args.trace)
         return 0
     if args.cmd == "bench" and args.which != "sim":
         out = bench_launch(reps=args.reps) if args.which == "launch" else bench_softmax()

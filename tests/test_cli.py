@@ -1,0 +1,50 @@
+"""The command line: the demo and the benchmarks run and report what the README says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spyre_jax import cli
+
+
+def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    assert cli.main(["demo", "--trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    for label in (
+        "max |spyre - jax.jit(cpu)|",
+        "simulated time on the card",
+        "cores used",
+        "scratchpad peak",
+        "padding waste",
+        "device-memory traffic",
+        str(path),
+        "bound:",
+    ):
+        assert label in out, label
+    err = float(out.split("max |spyre - jax.jit(cpu)|")[1].split()[0])
+    assert err < 0.05  # fp16 block, outputs of magnitude ~4
+    trace = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"stream 0", "compute", "copy in", "copy out"} <= names
+
+
+def test_bench_launch_and_softmax_json(capsys):
+    res = cli.bench_launch(calls=50, reps=1)
+    assert set(res) == {"launch_us", "jax_dispatch_us", "ratio"}
+    assert res["launch_us"] > 0 and res["jax_dispatch_us"] > 0
+    assert cli.main(["bench", "softmax", "--json"]) == 0
+    sm = json.loads(capsys.readouterr().out)
+    assert sm["measured_us"] == 261.0
+    assert sm["ratio"] == pytest.approx(sm["model_us"] / 261.0)
+
+
+def test_bench_sim_json(capsys):
+    assert cli.main(["bench", "sim", "--json", "--reps", "1"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res) == {"matmul_1024", "demo_block"}
+    for v in res.values():
+        assert v["sim_s"] > 0 and v["native_s"] > 0
+        assert v["ratio"] == pytest.approx(v["sim_s"] / v["native_s"])
