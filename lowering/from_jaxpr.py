@@ -13,7 +13,6 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,89 +20,11 @@ from jax.extend import core as jcore
 
 from device_model.layout import SUPPORTED_DTYPES, check_dtype
 
+from .builder import Builder, Lit
 from .errors import LoweringError, UnsupportedPrimitiveError
-from .graph import Graph, Node, Var, params
+from .graph import Graph, Var
 
 __all__ = ["from_jaxpr", "RULES", "Lit", "rule", "user_source_line"]
-
-
-@dataclass(frozen=True, slots=True)
-class Lit:
-    """A scalar literal operand (folded into the consuming op as an immediate)."""
-
-    value: Any
-    dtype: str
-
-
-class Builder:
-    """Collects nodes and constants while a jaxpr is imported."""
-
-    def __init__(self) -> None:
-        self.nodes: list[Node] = []
-        self.consts: list[tuple[Var, np.ndarray]] = []
-        self.source = ""
-
-    def emit(
-        self, op: str, inputs: list[Var], out_shape: tuple[int, ...], out_dtype: str, **kw: Any
-    ) -> Var:
-        out = Var(tuple(int(d) for d in out_shape), out_dtype)
-        self.nodes.append(Node(op, tuple(inputs), (out,), params(**kw), self.source))
-        return out
-
-    def const(self, value: Any, dtype: str | None = None) -> Var:
-        arr = np.asarray(value)
-        dt = dtype or _dtype_name(arr.dtype)
-        v = Var(tuple(arr.shape), dt)
-        self.consts.append((v, arr))
-        return v
-
-    def as_var(self, x: Var | Lit, shape: tuple[int, ...] = ()) -> Var:
-        """A Var for an operand: literals become broadcast constants of ``shape``."""
-        if isinstance(x, Var):
-            if x.shape != tuple(shape) and x.shape == ():
-                return self.emit("broadcast", [x], shape, x.dtype, shape=tuple(shape), dims=())
-            return x
-        return self.elementwise("copy", [x], tuple(shape), x.dtype)
-
-    def elementwise(
-        self, fn: str, args: list[Var | Lit], shape: tuple[int, ...], dtype: str, param: Any = None
-    ) -> Var:
-        vars_: list[Var] = []
-        scalars = []
-        for pos, a in enumerate(args):
-            if isinstance(a, Lit):
-                scalars.append((pos, a.value, a.dtype))
-            elif a.shape != tuple(shape):
-                # scalar operands and size-1 dims broadcast implicitly
-                dims = () if a.shape == () else tuple(range(len(shape)))
-                vars_.append(
-                    self.emit("broadcast", [a], shape, a.dtype, shape=tuple(shape), dims=dims)
-                )
-            else:
-                vars_.append(a)
-        return self.emit(
-            "elementwise",
-            vars_,
-            shape,
-            dtype,
-            fn=fn,
-            scalars=tuple(scalars),
-            dtype=dtype,
-            shape=tuple(shape),
-            param=param,
-        )
-
-    def reshape(self, x: Var, shape: tuple[int, ...]) -> Var:
-        shape = tuple(int(d) for d in shape)
-        if x.shape == shape:
-            return x
-        return self.emit("reshape", [x], shape, x.dtype, shape=shape)
-
-    def transpose(self, x: Var, perm: tuple[int, ...]) -> Var:
-        perm = tuple(int(p) for p in perm)
-        if perm == tuple(range(len(perm))):
-            return x
-        return self.emit("transpose", [x], tuple(x.shape[p] for p in perm), x.dtype, perm=perm)
 
 
 Rule = Callable[[Builder, Any, list[Any]], list[Var]]
