@@ -30,6 +30,7 @@ __all__ = [
     "ReshapeBody",
     "ConcatBody",
     "ELEMENTWISE",
+    "ROW_REDUCTIONS",
     "TRANSCENDENTAL",
     "compute_dtype",
     "widen",
@@ -76,9 +77,12 @@ class MapBody:
 
     ``program`` is a tuple of ``(op, args, param, dtype)``; registers 0..n_inputs-1 are the
     inputs (after their views), each op appends one register, the last is the result. ``dtype``
-    is the op's logical result dtype. ``reduce`` is "", or one of sum, max, min, prod, argmax,
-    argmin (over ``reduce_axes``; argmax/argmin over one axis) or cumsum/cumsum_rev (one axis,
-    shape kept).
+    is the op's logical result dtype. An op is ``const`` (param: the value), a name from
+    :data:`ELEMENTWISE`, or an in-program reduction from :data:`ROW_REDUCTIONS` (param: the
+    space axes reduced, kept with size 1 so that later ops broadcast the result along them; it
+    accumulates in the compute type, as the final reduction does). ``reduce`` is "", or one of
+    sum, max, min, prod, argmax, argmin (over ``reduce_axes``; argmax/argmin over one axis) or
+    cumsum/cumsum_rev (one axis, shape kept).
     """
 
     space: tuple[int, ...]
@@ -87,6 +91,10 @@ class MapBody:
     reduce: str
     reduce_axes: tuple[int, ...]
     out_dtype: str
+
+    def program_reduce_axes(self) -> frozenset[int]:
+        """The space axes some in-program reduction reduces (they stay whole in a block)."""
+        return frozenset(a for op, _, p, _ in self.program if op in ROW_REDUCTIONS for a in p)
 
     def out_space_dims(self) -> tuple[int, ...]:
         """The space dims the output keeps, in order."""
@@ -342,6 +350,10 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "select_n": (lambda xp, *a: _select(xp, *a[:-1]), -1),
 }
 
+#: in-program reductions over space axes (param: the axes; the result keeps them with size 1)
+#: -> the kind of :func:`_reduce` they compute
+ROW_REDUCTIONS: dict[str, str] = {"rsum": "sum", "rmax": "max", "rmin": "min", "rprod": "prod"}
+
 #: ops the SFU evaluates with several passes (for the timing model)
 TRANSCENDENTAL = frozenset(
     {
@@ -426,16 +438,45 @@ def view_tile(xp: Any, x: Any, view: InputView, space_block: tuple[int, ...]) ->
     return fit(xp, x, tuple(target))
 
 
-def run_program(xp: Any, body: MapBody, inputs: list[Any]) -> Any:
-    """Evaluate a map body's program on input tiles already seen in space dims."""
+def _row_reduce(
+    xp: Any, x: Any, kind: str, axes: tuple[int, ...], space_block: tuple[int, ...]
+) -> Any:
+    """An in-program reduction of a register ``[C or 1, *space]`` over space ``axes``, kept.
+
+    A register may be broadcast (size 1, or rank 0 for a constant) along the axes: it is
+    widened to the block first, so a sum counts every element of the row.
+    """
+    if x.ndim == 0:
+        x = x.reshape((1,) * (1 + len(space_block)))
+    shape = tuple(
+        space_block[g - 1] if g >= 1 and g - 1 in axes else n for g, n in enumerate(x.shape)
+    )
+    if shape != x.shape:
+        x = xp.broadcast_to(x, shape)
+    r = _reduce(xp, x, kind, axes)
+    return xp.expand_dims(r, tuple(1 + a for a in sorted(axes)))
+
+
+def run_program(
+    xp: Any, body: MapBody, inputs: list[Any], space_block: tuple[int, ...] | None = None
+) -> Any:
+    """Evaluate a map body's program on input tiles already seen in space dims.
+
+    ``space_block``: the logical extent of the block (needed by in-program reductions; defaults
+    to the whole space).
+    """
+    block = tuple(body.space) if space_block is None else tuple(space_block)
     regs = list(inputs)
     for op, args, param, dtype in body.program:
         if op == "const":
             regs.append(_const(xp, param, dtype))
             continue
-        fn, arity = ELEMENTWISE[op]
         a = [regs[i] for i in args]
-        regs.append(fn(xp, *a, param))
+        if op in ROW_REDUCTIONS:
+            regs.append(_row_reduce(xp, a[0], ROW_REDUCTIONS[op], tuple(param), block))
+        else:
+            fn, arity = ELEMENTWISE[op]
+            regs.append(fn(xp, *a, param))
         r = regs[-1]
         want = np_dtype(compute_dtype(dtype))
         if hasattr(r, "dtype") and r.dtype != want:
@@ -479,7 +520,7 @@ def run_map(
         if not v.dims:  # a rank-0 tensor: element 0 of its one stick
             t = t[:, 0]
         seen.append(view_tile(xp, widen(xp, t, dt), v, space_block))
-    r = run_program(xp, body, seen)
+    r = run_program(xp, body, seen, space_block)
     c = ncores
     r = xp.broadcast_to(r, (c, *space_block)) if r.shape != (c, *space_block) else r
     if body.reduce:

@@ -5,14 +5,20 @@
   whose inputs are read through views;
 * ``fuse_maps`` merges a map into the map that consumes it (elementwise ops commute with views,
   so the producer's inputs are read through the composed view): one SFU chain, one stage, no
-  round trip through device memory;
+  round trip through device memory. A producer with several consumers is recomputed in each,
+  and a reduction in a consumer that reads it broadcast over the reduced axes, as an
+  in-program reduction on the consumer's resident rows: softmax and layernorm become one map
+  that loads its input once and stores its output once;
 * ``dce`` drops nodes whose results nobody uses.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from device_model.layout import layout_for
-from device_model.ops import InputView, MapBody
+from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
 from .graph import Graph, Node, Var, params
 
@@ -158,31 +164,111 @@ def _compose(vp: InputView, vc: InputView) -> InputView:
     return InputView(tuple(dims), tuple(starts), tuple(strides), tuple(bcast))
 
 
-def _merge(p: Node, c: Node, slot: int) -> Node:
-    """Fuse producer map ``p`` into consumer map ``c`` at input ``slot``."""
+#: final reductions a producer map may end with and still be recomputed inside its consumer
+_FUSIBLE_REDUCE = {"": "", "sum": "rsum", "max": "rmax", "min": "rmin", "prod": "rprod"}
+
+
+def _space_view(p: Node, c: Node, slot: int) -> InputView | None:
+    """How the consumer ``c`` sees the producer map ``p``'s *space* when it reads ``p`` at
+    ``slot``; None when ``p``'s program cannot be recomputed inside ``c``.
+
+    For a producer without a final reduction the space is its output: the consumer's view. A
+    producer ending in a reduction is recomputed on the consumer's tile, so the consumer must
+    read the result broadcast along exactly the reduced axes and have the producer's
+    pre-reduction space (the reduced axes land on the consumer dims it broadcasts along, with the
+    same extents; its other dims are read one-to-one; spare consumer dims have size 1), and not
+    a reduction to a single element (nothing would be left to spread over the cores). Every
+    axis reduced inside the producer (its final reduction and its in-program ones) must then be
+    a whole consumer dim read one-to-one, so the recomputed reduction covers the same elements.
+    """
     pb: MapBody = p.p("body")
     cb: MapBody = c.p("body")
+    if pb.reduce not in _FUSIBLE_REDUCE:
+        return None
     vc = cb.views[slot]
+    sp, sc = pb.space, cb.space
+    if not pb.reduce:
+        ext = vc
+    elif math.prod(p.out.shape) <= 1:
+        return None  # a full reduction: recomputing it would put all the consumer on one core
+    else:
+        kept = pb.out_space_dims()
+        cover = [vc.dims[j] for j in range(len(kept)) if vc.dims[j] >= 0]
+        for j, d in enumerate(kept):
+            if sp[d] != 1 and not (vc.is_plain(j) and sc[vc.dims[j]] == sp[d]):
+                return None
+        free = [g for g in range(len(sc)) if g not in cover]
+        where: dict[int, int] = {}
+        for a in sorted(pb.reduce_axes):
+            g = next((g for g in free if sc[g] == sp[a] and g not in where.values()), None)
+            if g is None:
+                return None
+            where[a] = g
+        if any(sc[g] != 1 for g in free if g not in where.values()):
+            return None
+        dims, starts, strides, bcast = [], [], [], []
+        for d in range(len(sp)):
+            if d in where:
+                dims.append(where[d]), starts.append(0), strides.append(1), bcast.append(False)
+            else:
+                j = kept.index(d)
+                dims.append(vc.dims[j]), starts.append(vc.starts[j])
+                strides.append(vc.strides[j]), bcast.append(vc.bcast[j])
+        ext = InputView(tuple(dims), tuple(starts), tuple(strides), tuple(bcast))
+    axes = set(pb.program_reduce_axes())
+    if pb.reduce:
+        axes.update(pb.reduce_axes)
+    for a in axes:
+        g = ext.dims[a]
+        if not ext.is_plain(a) or sc[g] != sp[a]:
+            return None
+        if any(ext.dims[d] == g for d in range(len(sp)) if d != a):
+            return None
+    return ext
+
+
+def _merge(p: Node, c: Node, slot: int, ext: InputView) -> Node:
+    """Fuse producer map ``p`` into consumer map ``c`` at input ``slot``.
+
+    ``ext`` (from :func:`_space_view`) maps ``p``'s space into ``c``'s: ``p``'s inputs are read
+    through the composed views, its in-program reductions reduce the consumer dims their axes
+    land on, and a final reduction of ``p`` becomes an in-program one whose result ``c`` reads
+    broadcast.
+    """
+    pb: MapBody = p.p("body")
+    cb: MapBody = c.p("body")
     c_ins = [v for i, v in enumerate(c.inputs) if i != slot]
     c_views = [w for i, w in enumerate(cb.views) if i != slot]
     ins = c_ins + list(p.inputs)
-    views = c_views + [_compose(vp, vc) for vp in pb.views]
+    views = c_views + [_compose(vp, ext) for vp in pb.views]
     nin = len(ins)
     nc = len(c.inputs)
-    p_res = nin + len(pb.program) - 1
+
+    def axes(a: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(ext.dims[x] for x in a))
 
     def p_reg(r: int) -> int:
         return (nc - 1) + r if r < len(p.inputs) else nin + (r - len(p.inputs))
 
+    prog = [
+        (o, tuple(p_reg(a) for a in args), axes(prm) if o in ROW_REDUCTIONS else prm, dt)
+        for o, args, prm, dt in pb.program
+    ]
+    if pb.reduce:
+        prog.append(
+            (_FUSIBLE_REDUCE[pb.reduce], (nin + len(prog) - 1,), axes(pb.reduce_axes), pb.out_dtype)
+        )
+    p_res = nin + len(prog) - 1
+    n_p = len(prog)
+
     def c_reg(r: int) -> int:
         if r < nc:
             return p_res if r == slot else (r if r < slot else r - 1)
-        return nin + len(pb.program) + (r - nc)
+        return nin + n_p + (r - nc)
 
-    prog = [(o, tuple(p_reg(a) for a in args), prm, dt) for o, args, prm, dt in pb.program]
     prog += [(o, tuple(c_reg(a) for a in args), prm, dt) for o, args, prm, dt in cb.program]
     body = MapBody(cb.space, tuple(views), tuple(prog), cb.reduce, cb.reduce_axes, cb.out_dtype)
-    return _dedupe(Node("map", tuple(ins), c.outputs, params(body=body), c.source))
+    return _cse(_dedupe(Node("map", tuple(ins), c.outputs, params(body=body), c.source)))
 
 
 def _dedupe(n: Node) -> Node:
@@ -213,6 +299,30 @@ def _dedupe(n: Node) -> Node:
     return Node("map", tuple(n.inputs[i] for i in keep), n.outputs, params(body=body), n.source)
 
 
+def _cse(n: Node) -> Node:
+    """Drop program ops that repeat an earlier op on the same registers (a producer recomputed
+    twice in one consumer, once per path, is computed once). The last op, the result, stays."""
+    b: MapBody = n.p("body")
+    nin = len(n.inputs)
+    first: dict[tuple, int] = {}
+    remap: dict[int, int] = {}
+    prog: list = []
+    last = len(b.program) - 1
+    for k, (o, args, prm, dt) in enumerate(b.program):
+        args = tuple(remap.get(a, a) for a in args)
+        key = (o, args, type(prm).__name__, repr(prm), dt)
+        if key in first and k != last:
+            remap[nin + k] = first[key]
+            continue
+        remap[nin + k] = nin + len(prog)
+        first.setdefault(key, nin + len(prog))
+        prog.append((o, args, prm, dt))
+    if len(prog) == len(b.program):
+        return n
+    body = MapBody(b.space, b.views, tuple(prog), b.reduce, b.reduce_axes, b.out_dtype)
+    return Node("map", n.inputs, n.outputs, params(body=body), n.source)
+
+
 def _is_view_only(n: Node) -> bool:
     b: MapBody = n.p("body")
     return (
@@ -223,42 +333,117 @@ def _is_view_only(n: Node) -> bool:
     )
 
 
-def fuse_maps(g: Graph) -> Graph:
-    """Merge producer maps into consumer maps until nothing more fuses."""
-    nodes = list(g.nodes)
-    outputs = {v.id for v in g.outputs}
-    changed = True
-    while changed:
-        changed = False
-        producer = {n.out.id: n for n in nodes if n.op == "map" and not n.p("body").reduce}
-        uses: dict[int, list[Node]] = {}
-        for n in nodes:
+def _merge_slot(p: Node, c: Node, slot: int) -> Node | None:
+    """``p`` merged into ``c`` at ``slot``, or None when ``c`` cannot take it there."""
+    if len(c.inputs) - 1 + len(p.inputs) > MAX_MAP_INPUTS:
+        return None
+    ext = _space_view(p, c, slot)
+    return None if ext is None else _merge(p, c, slot, ext)
+
+
+def _absorb(p: Node, c: Node) -> Node | None:
+    """``c`` with the producer ``p`` merged into every input slot that reads it, or None when
+    a slot cannot take it."""
+    while (slot := next((i for i, v in enumerate(c.inputs) if v.id == p.out.id), None)) is not None:
+        merged = _merge_slot(p, c, slot)
+        if merged is None:
+            return None
+        c = merged
+    return c
+
+
+def _nbytes(v: Var) -> int:
+    return layout_for(v.shape, v.dtype).nbytes
+
+
+def _worth(p: Node, consumers: list[Node]) -> bool:
+    """Recomputing ``p`` in each consumer moves no more device-memory bytes than storing its
+    result once and loading it in each: each consumer loads ``p``'s inputs it did not read."""
+    ins = {v.id: v for v in p.inputs}
+    before = sum(map(_nbytes, ins.values())) + _nbytes(p.out) * (1 + len(consumers))
+    after = sum(
+        _nbytes(v) for c in consumers for i, v in ins.items() if i not in {u.id for u in c.inputs}
+    )
+    return after <= before
+
+
+class _Fuser:
+    """One :func:`fuse_maps` run: the graph's outputs, the ``fits`` check and a memo of the
+    merges tried (nodes are immutable, so a merge tried once need not be tried again)."""
+
+    def __init__(self, outputs: set[int], fits: Callable[[Node], bool] | None):
+        self.outputs, self.fits = outputs, fits
+        self.memo: dict[tuple, Node | None] = {}
+
+    def _checked(self, key: tuple, make: Callable[[], Node | None]) -> Node | None:
+        if key not in self.memo:
+            m = make()
+            self.memo[key] = m if m is not None and (self.fits is None or self.fits(m)) else None
+        return self.memo[key]
+
+    def step(self, nodes: list[Node]) -> list[Node] | None:
+        """The nodes after one fusion, or None when nothing more fuses.
+
+        First the chain fusions (a map without a final reduction into its only consumer, or a
+        view into any consumer), one slot at a time, consumers in order; only when none is
+        left, recomputation: a producer (one ending in a reduction too) into all its consumers.
+        Every node the second kind leaves behind is either one the first kind made or a merge
+        that ``fits``, so it never makes a graph the tiler cannot schedule.
+        """
+        producer = {n.out.id: n for n in nodes if n.op == "map"}
+        uses: dict[int, list[int]] = {}
+        for i, n in enumerate(nodes):
             for v in n.inputs:
-                uses.setdefault(v.id, []).append(n)
+                uses.setdefault(v.id, []).append(i)
         for ci, c in enumerate(nodes):
             if c.op != "map":
                 continue
             for slot, v in enumerate(c.inputs):
                 p = producer.get(v.id)
-                if p is None:
+                if p is None or p.p("body").reduce:
                     continue
-                users = uses[v.id]
-                exclusive = v.id not in outputs and all(u is c for u in users)
+                exclusive = v.id not in self.outputs and all(u == ci for u in uses[v.id])
                 if not (exclusive or _is_view_only(p)):
                     continue
                 if sum(1 for x in c.inputs if x.id == v.id) > 1 and not exclusive:
                     continue
-                if len(c.inputs) - 1 + len(p.inputs) > MAX_MAP_INPUTS:
-                    continue
-                merged = _merge(p, c, slot)
-                # all slots reading v the same way were deduped; re-fuse any left next round
-                nodes[ci] = merged
-                changed = True
-                break
-            if changed:
-                break
-        if changed:
-            nodes = list(dce(Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)).nodes)
+                m = self._checked((p, c, slot), lambda p=p, c=c, slot=slot: _merge_slot(p, c, slot))
+                if m is not None:
+                    return [m if j == ci else n for j, n in enumerate(nodes)]
+        for p in nodes:
+            if p.op != "map" or p.out.id in self.outputs or p.out.id not in uses:
+                continue
+            users = list(dict.fromkeys(uses[p.out.id]))
+            if any(nodes[i].op != "map" for i in users):
+                continue
+            merged = {}
+            for i in users:
+                c = nodes[i]
+                m = self._checked((p, c), lambda p=p, c=c: _absorb(p, c))
+                if m is None:
+                    break
+                merged[i] = m
+            else:
+                if _worth(p, [nodes[i] for i in users]):
+                    return [merged.get(j, n) for j, n in enumerate(nodes)]
+        return None
+
+
+def fuse_maps(g: Graph, fits: Callable[[Node], bool] | None = None) -> Graph:
+    """Merge producer maps into consumer maps until nothing more fuses.
+
+    A map merges into its only consumer (a view into any consumer); then a producer, also one
+    ending in a reduction, is recomputed in all its consumers at once when each can take it
+    (:func:`_space_view`: a reduction only into a consumer that reads it broadcast over the
+    reduced axes and has its pre-reduction space) and recomputing moves no more bytes
+    (:func:`_worth`). With ``fits``, each merged map must still be schedulable (``fits(node)``;
+    the pipeline passes the tiler's check for the card): a fusion that would need whole rows the
+    scratchpad cannot hold is not made, and the unfused stages are scheduled instead.
+    """
+    nodes = list(g.nodes)
+    fuser = _Fuser({v.id for v in g.outputs}, fits)
+    while (fused := fuser.step(nodes)) is not None:
+        nodes = list(dce(Graph(g.name, g.inputs, tuple(fused), g.outputs, g.consts)).nodes)
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)
 
 

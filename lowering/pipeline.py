@@ -7,18 +7,29 @@ Set ``SPYRE_DUMP=1`` to print the IR after every pass; ``SPYRE_CHECK=0`` skips t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Callable
 
 from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
 
 from .graph import Graph, check_graph
 from .passes import dce, fuse_maps, to_maps
-from .schedule import schedule
+from .schedule import map_fits, schedule
 
-__all__ = ["compile_graph", "GRAPH_PASSES"]
+__all__ = ["compile_graph", "graph_passes"]
 
-GRAPH_PASSES = (("to_maps", to_maps), ("fuse_maps", fuse_maps), ("dce", dce))
+
+def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], ...]:
+    """The graph passes in order. Fusion asks the tiler whether each map it merges still fits
+    ``card``'s scratchpad (a row-resident softmax needs its whole rows there)."""
+    fits = functools.partial(map_fits, card=card)
+    return (
+        ("to_maps", to_maps),
+        ("fuse_maps", functools.partial(fuse_maps, fits=fits)),
+        ("dce", dce),
+    )
 
 
 def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Kernel:
@@ -29,7 +40,7 @@ def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Ker
         check_graph(g)
     if dump:
         print(f"=== {g.name}: imported\n{g}")
-    for name, fn in GRAPH_PASSES:
+    for name, fn in graph_passes(card):
         g = fn(g)
         if check:
             check_graph(g)

@@ -22,6 +22,7 @@ from device_model.card import CardSpec
 from device_model.kernel import Kernel, Operand, SpBuf, Stage, TensorDecl, blocks_of
 from device_model.layout import DTYPES, TensorLayout, layout_for
 from device_model.ops import (
+    ROW_REDUCTIONS,
     TRANSCENDENTAL,
     ConcatBody,
     GatherBody,
@@ -35,7 +36,7 @@ from .errors import TilingError
 from .graph import Graph, Node, Var
 from .passes import is_free_reshape
 
-__all__ = ["schedule"]
+__all__ = ["schedule", "map_fits"]
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -207,7 +208,20 @@ def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int) -> int:
 _REDUCTIONS = frozenset({"sum", "max", "min", "prod", "argmax", "argmin"})
 
 
-def _map_stage(ctx: _Ctx, n: Node) -> list[Stage]:
+def map_fits(n: Node, card: CardSpec) -> bool:
+    """Whether :func:`schedule` can tile the map node ``n`` on ``card`` (a dry run of its
+    tiling choice: no tables are built). The fusion pass asks this of every map it merges."""
+    ctx = _Ctx(card)
+    for v in (*n.inputs, *n.outputs):
+        ctx.declare(v, "temp")
+    try:
+        _map_stage(ctx, n, dry=True)
+    except TilingError:
+        return False
+    return True
+
+
+def _map_stage(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
     """A map node's stage; a reduction that does not fit goes through a one-per-stick temp.
 
     The output's last dim is its stick dim, so tiles of the output's rows come in whole output
@@ -215,7 +229,8 @@ def _map_stage(ctx: _Ctx, n: Node) -> list[Stage]:
     the scratchpad at once. When that does not fit, the reduction writes a temp with a trailing
     size-1 dim instead (one element per stick, as the card's own stick-dim reductions do): its
     rows are no longer the stick dim and tile one by one. A second, copy stage packs the temp
-    into the output's layout.
+    into the output's layout. With ``dry`` only the tiling is chosen (TilingError when none fits)
+    and no stage is returned.
     """
     body: MapBody = n.p("body")
     in_names = [ctx.name(v) for v in n.inputs]
@@ -223,7 +238,8 @@ def _map_stage(ctx: _Ctx, n: Node) -> list[Stage]:
     out_name, out_lay = ctx.name(n.out), ctx.layout(n.out)
     name = f"s{len(ctx.stages)}"
     try:
-        return [_map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source)]
+        st = _map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source, dry)
+        return [st] if st is not None else []
     except TilingError as err:
         if body.reduce not in _REDUCTIONS or not out_lay.shape:
             raise
@@ -242,12 +258,22 @@ def _map_stage(ctx: _Ctx, n: Node) -> list[Stage]:
         dt,
     )
     try:
-        s1 = _map_plan(ctx, sparse, in_names, in_lays, tmp, tmp_lay, name, n.source)
+        s1 = _map_plan(ctx, sparse, in_names, in_lays, tmp, tmp_lay, name, n.source, dry)
         s2 = _map_plan(
-            ctx, pack, [tmp], [tmp_lay], out_name, out_lay, f"s{len(ctx.stages) + 1}", n.source
+            ctx,
+            pack,
+            [tmp],
+            [tmp_lay],
+            out_name,
+            out_lay,
+            f"s{len(ctx.stages) + 1}",
+            n.source,
+            dry,
         )
     except TilingError:
         raise first_err from None
+    if s1 is None or s2 is None:
+        return []
     ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
     return [s1, s2]
 
@@ -261,8 +287,13 @@ def _map_plan(
     out_lay: TensorLayout,
     name: str,
     source: str,
-) -> Stage:
-    """Tile one map body over the cores; raises :class:`TilingError` when no tiling fits."""
+    dry: bool = False,
+) -> Stage | None:
+    """Tile one map body over the cores; raises :class:`TilingError` when no tiling fits.
+
+    Reduced axes (the final reduction's and the in-program ones) stay whole in every block.
+    With ``dry``, returns None once a tiling is chosen.
+    """
     space = body.space
     r = len(space)
     out_dims = body.out_space_dims()
@@ -270,7 +301,7 @@ def _map_plan(
         set(range(r)) - set(out_dims)
         if body.reduce not in ("cumsum", "cumsum_rev")
         else set(body.reduce_axes)
-    )
+    ) | body.program_reduce_axes()
     # which tensors map onto each space dim, and with what device extent
     ext: dict[int, set[int]] = {g: set() for g in range(r)}
     quant: dict[int, int] = dict.fromkeys(range(r), 1)
@@ -319,6 +350,8 @@ def _map_plan(
         return _plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
 
     bl = _choose(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({_describe(body)})", source)
+    if dry:
+        return None
     grid = tuple(extents[g] // bl[g] if tileable[g] else 1 for g in range(r))
     ib, ob = blocks_for(bl)
     # a block past the logical extent (the stick padding) computes only the logical part
@@ -346,17 +379,7 @@ def _map_plan(
         + [("out", ob, out_lay.dtype, slots)]
     )
     tabs = _tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
-    elems = math.prod(space)
-    sfu = 0
-    flops = 0  # as XLA's cost analysis counts: one per element per arithmetic op
-    for op, *_ in body.program:
-        if op != "const":
-            sfu += elems * (ctx.card.sfu_ops_per_elem_transcendental if op in TRANSCENDENTAL else 1)
-        if op not in _MOVES:
-            flops += elems
-    if body.reduce:
-        sfu += elems
-        flops += elems
+    sfu, flops = _map_work(body, ctx.card)
     return Stage(
         name,
         "map",
@@ -375,6 +398,47 @@ def _map_plan(
 
 #: map-program ops that move or retype data and do no arithmetic (no flops)
 _MOVES = frozenset({"const", "copy", "convert", "select_n"})
+
+
+def _op_extents(body: MapBody) -> list[int]:
+    """Per program op, the elements it computes: the product of the space dims its result varies
+    along (an op on a row's reduced value, or on a broadcast input, runs once per row)."""
+    dims: list[frozenset[int]] = [
+        frozenset(g for j, g in enumerate(v.dims) if g >= 0 and not v.bcast[j]) for v in body.views
+    ]
+    out = []
+    for op, args, param, _ in body.program:
+        d = frozenset().union(*(dims[a] for a in args)) if args else frozenset()
+        if op in ROW_REDUCTIONS:
+            d = d - set(param)
+        dims.append(d)
+        out.append(math.prod(body.space[g] for g in d))
+    return out
+
+
+def _map_work(body: MapBody, card: CardSpec) -> tuple[int, int]:
+    """(SFU element-ops, flops) of a map body over its whole space.
+
+    SFU: one pass per element of each op (``sfu_ops_per_elem_transcendental`` for
+    transcendental ones; an in-program reduction reads every element of its input once) and one
+    per element for the final reduction. Flops as XLA's cost analysis counts them: one per
+    element per arithmetic op (moves, converts and selects count none); an in-program reduction
+    counts one per element reduced.
+    """
+    sfu = flops = 0
+    full = math.prod(body.space)
+    for (op, _args, param, _), n in zip(body.program, _op_extents(body), strict=True):
+        if op == "const":
+            continue
+        if op in ROW_REDUCTIONS:
+            n *= math.prod(body.space[a] for a in param)
+        sfu += n * (card.sfu_ops_per_elem_transcendental if op in TRANSCENDENTAL else 1)
+        if op not in _MOVES:
+            flops += n
+    if body.reduce:
+        sfu += full
+        flops += full
+    return sfu, flops
 
 
 def _describe(body: MapBody) -> str:

@@ -227,6 +227,65 @@ def test_softmax():
     _check(lambda a: jax.nn.softmax(a, axis=-1), x, chain=3)
 
 
+def _row_reduction_ops(k: Kernel) -> list[str]:
+    from device_model.ops import ROW_REDUCTIONS
+
+    return [
+        op[0]
+        for st in k.stages
+        if st.kind == "map"
+        for op in st.body[0][2][0].program
+        if op[0] in ROW_REDUCTIONS
+    ]
+
+
+def _ln(a: Any) -> Any:
+    m = jnp.mean(a, axis=-1, keepdims=True)
+    return (a - m) * jax.lax.rsqrt(jnp.var(a, axis=-1, keepdims=True) + 1e-5)
+
+
+def _rms(a: Any) -> Any:
+    return a * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + 1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["softmax_3d", "log_softmax_axis0", "layernorm", "rmsnorm", "center_two_axes"],
+)
+def test_fused_row_programs(case):
+    """Softmax, layernorm and RMSNorm fused into one map with in-program reductions."""
+    if case == "softmax_3d":
+        f, x, k, chain = (lambda a: jax.nn.softmax(a, axis=-1)), _arr((2, 3, 65), F16, 80), 1, 3
+    elif case == "log_softmax_axis0":
+        f, x, k, chain = (lambda a: jax.nn.log_softmax(a, axis=0)), _arr((100, 65), F32, 81), 1, 3
+    elif case == "layernorm":
+        f, x, k, chain = _ln, _arr((65, 150), BF16, 82), 150, 2
+    elif case == "rmsnorm":
+        f, x, k, chain = _rms, _arr((63, 100), F32, 83), 100, 2
+    else:
+        f, x, k, chain = (
+            (lambda a: a - jnp.mean(a, axis=(0, 2), keepdims=True)),
+            _arr((3, 5, 65), F16, 84),
+            195,
+            2,
+        )
+    kern, _ = _check(f, x * 3, k=k, chain=chain)
+    assert len(kern.stages) == 1 and _row_reduction_ops(kern)
+
+
+def test_fused_softmax_multistep_and_fallback(small_card):
+    """A fused softmax over several double-buffered steps; rows too long for the scratchpad go
+    through the unfused stages."""
+    small_card(scratchpad_bytes=32 * 1024)
+    x = _arr((256, 1000), F16, seed=85) * 3
+    kern, _ = _check(lambda a: jax.nn.softmax(a, axis=-1), x, chain=3)
+    (st0,) = kern.stages
+    assert st0.steps > 1 and _row_reduction_ops(kern)
+    y = _arr((64, 4096), F16, seed=86) * 3
+    kern, _ = _check(lambda a: jax.nn.softmax(a, axis=-1), y, chain=3)
+    assert len(kern.stages) > 1 and not _row_reduction_ops(kern)
+
+
 # ---------------------------------------------------------------------------------------------
 # matmul
 
