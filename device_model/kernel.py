@@ -148,6 +148,8 @@ class Kernel:
     num_cores: int = 32
     sp_capacity: int = 0
     dl16: bool = False  # stores of fp16/bf16 results round through DL16 first (CardSpec)
+    #: the host values of the const tensors, by name (copied in once per compiled function)
+    consts: tuple[tuple[str, Any], ...] = field(default=(), compare=False, hash=False)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def tensor(self, name: str) -> TensorDecl:

@@ -710,6 +710,7 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         if ctx.decls[nm].role == "temp":
             ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "output")
     inputs = tuple(ctx.name(v) for v in g.inputs) + tuple(ctx.name(v) for v, _ in g.consts)
+    consts = tuple((ctx.name(v), a) for v, a in g.consts)
     return Kernel(
         g.name,
         tuple(ctx.decls.values()),
@@ -719,4 +720,5 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         tuple(ctx.aliases),
         card.num_cores,
         ctx.cap,
+        consts=consts,
     )

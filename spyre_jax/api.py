@@ -20,7 +20,7 @@ from device_model.recipe import Recipe
 from device_model.timing import kernel_cost
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
-from lowering.pipeline import compile_graph
+from lowering.pipeline import compile_graph as compile_graph_ir
 
 from .runtime import (
     Array,
@@ -32,7 +32,7 @@ from .runtime import (
     to_device_buffer,
 )
 
-__all__ = ["jit", "Jitted", "Lowered", "Compiled"]
+__all__ = ["jit", "Jitted", "Lowered", "Compiled", "compile_graph"]
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -83,7 +83,8 @@ class Compiled:
         decls = {t.name: t for t in kernel.tensors}
         self._consts: list[Array] = []
         n_in = len(graph.inputs)
-        for name, (_, arr) in zip(kernel.inputs[n_in:], graph.consts, strict=True):
+        # the optimized graph's constants (dead ones are gone), by the kernel's names
+        for name, arr in kernel.consts:
             lay = decls[name].layout
             with rt.lock:
                 addr = rt.memory.alloc(lay.nbytes, tag="constant")
@@ -120,6 +121,11 @@ class Compiled:
         raise TypeError(
             "call the jitted function, or Compiled.call(flat_leaves)"
         )  # pragma: no cover
+
+    def call_flat(self, leaves: list[Any]) -> list[Array]:
+        """Launch with one value per graph input (host arrays or :class:`Array` s); the outputs
+        as a flat list of :class:`Array` s."""
+        return list(jax.tree_util.tree_leaves(self._run(list(leaves))))
 
     def _run(self, leaves: list[Any]) -> Any:
         """One launch: the recipe's copy-ins for host arguments, the kernel step, on the current
@@ -275,7 +281,7 @@ class Jitted:
         name = getattr(self.fun, "__name__", "fn")
         graph = from_jaxpr(closed, name=name if name.isidentifier() else "fn")
         _check_fits(graph)
-        kernel = compile_graph(graph, runtime().card)
+        kernel = compile_graph_ir(graph, runtime().card)
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -324,3 +330,17 @@ def jit(
     if fun is None:
         return lambda f: Jitted(f, static_argnums, static_argnames)
     return Jitted(fun, static_argnums, static_argnames)
+
+
+def compile_graph(graph: Graph) -> Compiled:
+    """Compile a graph-IR function for the current card (the launch path other frontends share).
+
+    ``lowering.from_fx`` graphs from the PyTorch bridge come here. The result's
+    :meth:`Compiled.call_flat` takes one value per graph input (host arrays are copied in, device
+    :class:`Array` s are used in place) and returns a list of :class:`Array` s.
+    """
+    t0 = time.perf_counter()
+    _check_fits(graph)
+    kernel = compile_graph_ir(graph, runtime().card)
+    out_tree = jax.tree_util.tree_structure([0] * len(graph.outputs))
+    return Compiled(graph, kernel, out_tree, time.perf_counter() - t0)

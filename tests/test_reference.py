@@ -69,7 +69,7 @@ def _device_args(low: spyre_jax.Lowered, xs: tuple[Any, ...]) -> list[np.ndarray
         if isinstance(x, np.ndarray | np.generic | jax.Array)
     ]
     assert len(leaves) == len(low.graph.inputs)
-    hosts = [np.asarray(x) for x in leaves] + [arr for _, arr in low.graph.consts]
+    hosts = [np.asarray(x) for x in leaves] + [arr for _, arr in low.kernel.consts]
     assert len(hosts) == len(k.inputs)
     return [
         np.asarray(to_device_buffer(h, decls[n].layout))

@@ -1,0 +1,259 @@
+"""``torch.compile(model, backend="spyre")``: Dynamo's FX graph, through AOTAutograd with the
+core ATen decompositions, into ``lowering.from_fx`` and the shared graph IR, passes, kernel and
+card (``spyre_jax.api.compile_graph``).
+
+Inference only: a graph that needs gradients (grad mode on and an input that requires grad) is
+refused with a clear error. An ATen op with no lowering rule falls back to the CPU by default:
+the graph is split by ``torch.fx``'s capability-based partitioner into card subgraphs and the
+unsupported nodes, which run eagerly on the CPU, with a warning that names the op and a counter
+(:func:`fallback_stats`). ``options={"strict": True}`` raises instead, naming the op and the
+node's source line.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+
+from lowering.errors import UnsupportedPrimitiveError
+from lowering.from_fx import card_dtype, from_fx, node_source, supported
+
+__all__ = [
+    "spyre_backend",
+    "fallback_stats",
+    "reset_fallback_stats",
+    "compile_stats",
+    "SpyreFallbackWarning",
+    "InferenceOnlyError",
+]
+
+
+class SpyreFallbackWarning(UserWarning):
+    """An ATen op with no lowering rule runs on the CPU instead of the card."""
+
+
+class InferenceOnlyError(RuntimeError):
+    """The spyre backend compiles inference graphs only (no autograd)."""
+
+
+_lock = threading.Lock()
+_fallbacks: collections.Counter[str] = collections.Counter()
+_stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
+
+
+def fallback_stats() -> dict[str, int]:
+    """ATen op -> how many graph nodes of it were compiled to run on the CPU (all graphs so far)."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+def reset_fallback_stats() -> None:
+    with _lock:
+        _fallbacks.clear()
+        _stats.update(graphs=0, kernels=0, compile_s=0.0)
+
+
+def compile_stats() -> dict[str, float]:
+    """Graphs compiled by the backend, card kernels they became, and the seconds spent."""
+    with _lock:
+        return dict(_stats)
+
+
+_OPTIONS = frozenset({"strict"})
+
+
+def spyre_backend(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
+) -> Callable:
+    """The Dynamo backend registered as ``"spyre"`` (entry point ``torch_dynamo_backends``)."""
+    opts = dict(options or {})
+    unknown = set(opts) - _OPTIONS
+    if unknown:
+        raise ValueError(
+            f"spyre backend: unknown options {sorted(unknown)}; known: {sorted(_OPTIONS)}"
+        )
+    strict = bool(opts.get("strict", False))
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    ):
+        raise InferenceOnlyError(
+            "spyre backend: this graph needs gradients (grad mode is on and an input requires "
+            "grad); the card runs inference only: call the compiled model under torch.no_grad() "
+            "or torch.inference_mode()"
+        )
+    from torch._decomp import core_aten_decompositions
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def bw(gm: torch.fx.GraphModule, ex: Any) -> Callable:  # pragma: no cover - no autograd
+        raise InferenceOnlyError("spyre backend: backward graphs are not supported")
+
+    return aot_module_simplified(
+        gm,
+        list(example_inputs),
+        fw_compiler=functools.partial(_compile_forward, strict=strict),
+        bw_compiler=bw,
+        decompositions=core_aten_decompositions(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# forward graphs
+
+
+def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: bool) -> Callable:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # AOTAutograd calls us under its fake mode; constants must be read as real tensors
+    with unset_fake_temporarily():
+        return _compile_forward_real(gm, strict=strict)
+
+
+def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
+    import time
+
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    t0 = time.perf_counter()
+    bad = [n for n in gm.graph.nodes if not supported(n)]
+    if bad and strict:
+        n = bad[0]
+        raise UnsupportedPrimitiveError(
+            "ATen", str(n.target), n.format_node(), node_source(n), _context(gm, n)
+        )
+    if not bad:
+        run = _CardGraph(gm)
+        nk = 1
+    else:
+        for n in bad:
+            warnings.warn(
+                f"spyre: ATen op {n.target} has no lowering rule; it runs on the CPU "
+                f"(at {node_source(n) or n.format_node()})",
+                SpyreFallbackWarning,
+                stacklevel=2,
+            )
+        run, nk = _partitioned(gm)
+    with _lock:
+        for n in bad:
+            _fallbacks[str(n.target)] += 1
+        _stats["graphs"] += 1
+        _stats["kernels"] += nk
+        _stats["compile_s"] += time.perf_counter() - t0
+
+    def forward(*args: Any) -> Any:
+        return run(*args)
+
+    return make_boxed_func(forward)
+
+
+def _context(gm: torch.fx.GraphModule, node: torch.fx.Node, radius: int = 2) -> str:
+    nodes = list(gm.graph.nodes)
+    i = nodes.index(node)
+    return "\n".join(
+        f"    {'>>' if k == i else '  '} {nodes[k].format_node()[:160]}"
+        for k in range(max(0, i - radius), min(len(nodes), i + radius + 1))
+    )
+
+
+class _CardGraph:
+    """A whole FX graph compiled to one card kernel; called with torch tensors."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        from spyre_jax.api import compile_graph
+
+        self.graph = from_fx(gm, name="torch_graph")
+        self.compiled = compile_graph(self.graph)
+        outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        outs = outs if isinstance(outs, list | tuple) else [outs]
+        self.out_meta = [_val(o) for o in outs]
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        leaves = [to_host(a) for a in args]
+        arrays = self.compiled.call_flat(leaves)
+        return tuple(
+            from_host(np.asarray(a), m) for a, m in zip(arrays, self.out_meta, strict=True)
+        )
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else n
+
+
+def to_host(t: Any) -> np.ndarray:
+    """A CPU torch tensor as the NumPy array the card copies in (bf16 via ml_dtypes)."""
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
+    card_dtype(t.dtype, "an input")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.int64:
+        return t.numpy().astype(np.int32)
+    return t.contiguous().numpy()
+
+
+def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
+    """A result copied out of the card as a torch tensor of the dtype torch expects."""
+    if a.dtype.name == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    want = getattr(meta, "dtype", None)
+    if want is not None and t.dtype != want:
+        t = t.to(want)
+    return t
+
+
+def _partitioned(gm: torch.fx.GraphModule) -> tuple[Callable, int]:
+    """Card subgraphs for the supported nodes; the rest stays in ``gm`` and runs on the CPU."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import OperatorSupportBase
+
+    class Support(OperatorSupportBase):
+        def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
+            return node.op == "call_function" and supported(node)
+
+    part = CapabilityBasedPartitioner(gm, Support(), allows_single_node_partition=True)
+    fused = part.fuse_partitions(part.propose_partitions())
+    count = 0
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            sub = getattr(fused, node.target)
+            _copy_placeholder_meta(sub, node)
+            setattr(fused, node.target, _CardModule(sub))
+            count += 1
+    fused.recompile()
+    return fused, count
+
+
+def _copy_placeholder_meta(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    phs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for ph, arg in zip(phs, call.args, strict=True):
+        if "val" not in ph.meta and isinstance(arg, torch.fx.Node):
+            ph.meta["val"] = arg.meta.get("val")
+
+
+class _CardModule(torch.nn.Module):
+    """A fused partition compiled to one card kernel, inside a CPU-run FX graph."""
+
+    def __init__(self, sub: torch.fx.GraphModule):
+        super().__init__()
+        self.card = _CardGraph(sub)
+        self.single = not isinstance(
+            [n for n in sub.graph.nodes if n.op == "output"][0].args[0], list | tuple
+        )
+
+    def forward(self, *args: Any) -> Any:
+        outs = self.card(*args)
+        return outs[0] if self.single else outs
