@@ -391,6 +391,12 @@ def _rsub(b: Builder, node: torch.fx.Node, x: Any, y: Any, alpha: Any = 1) -> Va
     return _ew(b, node, "sub", y, x)
 
 
+@rule(aten.round.default)
+def _round(b: Builder, node: torch.fx.Node, x: Var) -> Var:
+    shape, dt = _out(node)
+    return b.elementwise("round", [x], shape, dt, param=1)  # half to even, as torch rounds
+
+
 @rule(aten.pow.Tensor_Scalar)
 def _pow(b: Builder, node: torch.fx.Node, x: Var, e: Any) -> Var:
     shape, out_dt = _out(node)
@@ -442,6 +448,19 @@ def _gelu(b: Builder, node: torch.fx.Node, x: Var, approximate: str = "none") ->
         shape,
         dt,
     )
+
+
+@rule(aten.relu.default)
+def _relu(b: Builder, node: torch.fx.Node, x: Var) -> Var:
+    shape, dt = _out(node)
+    return b.elementwise("max", [x, Lit(0, dt)], shape, dt)
+
+
+@rule(aten.leaky_relu.default)
+def _leaky_relu(b: Builder, node: torch.fx.Node, x: Var, slope: float = 0.01) -> Var:
+    shape, dt = _out(node)
+    neg = b.elementwise("lt", [x, Lit(0, dt)], shape, "bool")
+    return b.elementwise("select_n", [neg, x, _ew_raw(b, "mul", [x, slope], shape, dt)], shape, dt)
 
 
 @rule(aten.silu.default)

@@ -1,0 +1,342 @@
+"""``torch.compile(backend="spyre")``: core ATen ops and transformer models vs eager CPU."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowering.errors import UnsupportedPrimitiveError
+from lowering.from_fx import RULES
+from torch_bridge import backend as tb
+
+# fp32: the card computes fp32 with fp32 accumulation, but sums in a different order;
+# fp16: each stored intermediate rounds to fp16 (2^-11 relative), fused chains keep fp32 inside
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _compile(fn, **opts):
+    # a fresh Dynamo cache: past its recompile limit Dynamo would silently run a frame eagerly
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="spyre", options=opts or None, dynamic=False)
+
+
+def _check(fn, *xs, k: int = 1, fallback_ok: bool = False):
+    before = tb.compile_stats()["graphs"]
+    fb = sum(tb.fallback_stats().values())
+    with torch.no_grad():
+        want = fn(*xs)
+        got = _compile(fn)(*xs)
+    assert tb.compile_stats()["graphs"] > before, "the backend never compiled: ran eagerly?"
+    if not fallback_ok:
+        assert sum(tb.fallback_stats().values()) == fb, f"CPU fallbacks: {tb.fallback_stats()}"
+    want_l = want if isinstance(want, tuple | list) else [want]
+    got_l = got if isinstance(got, tuple | list) else [got]
+    assert len(want_l) == len(got_l)
+    for g, w in zip(got_l, want_l, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        assert g.device.type == "cpu"
+        if not w.dtype.is_floating_point:
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            continue
+        rt, at = TOL[w.dtype]
+        scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
+        torch.testing.assert_close(g.float(), w.float(), rtol=rt * k, atol=at * k * scale)
+    return got
+
+
+SHAPES = [(1, 1), (3, 63), (5, 65), (4, 100), (2, 150), (2, 3, 65)]
+DTYPES = [torch.float32, torch.float16]
+
+
+def _rand(shape, dtype, seed=0, lo=-2.0, hi=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) * (hi - lo) + lo).to(dtype)
+
+
+UNARY = {
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "erf": torch.erf,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "relu": F.relu,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.1),
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "square": lambda x: x * x,
+    "pow3": lambda x: x**3,
+    "sqrt_abs": lambda x: torch.sqrt(x.abs() + 0.1),
+    "rsqrt_abs": lambda x: torch.rsqrt(x.abs() + 0.1),
+    "log_abs": lambda x: torch.log(x.abs() + 0.1),
+    "clamp": lambda x: torch.clamp(x, -0.5, 0.7),
+    "floor": torch.floor,
+    "scalar_ops": lambda x: (x * 3 - 1) / 2 + 0.5,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 63), (2, 150)], ids=str)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, shape, dtype):
+    _check(UNARY[name], _rand(shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["gelu", "exp", "scalar_ops"])
+def test_unary_odd_shapes(name, shape, dtype):
+    _check(UNARY[name], _rand(shape, dtype))
+
+
+BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": lambda a, b: a / (b.abs() + 0.5),
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=2.0),
+    "rsub": lambda a, b: 1.0 - a + b,
+    "where": lambda a, b: torch.where(a > b, a, b * 2),
+    "lt_float": lambda a, b: (a < b).float() + (a >= b).float() * 2,
+    "eq_int": lambda a, b: (a.round() == b.round()).to(torch.int32),
+    "logical": lambda a, b: torch.logical_and(a > 0, b > 0) | (a < -1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary(name, dtype):
+    a, b = _rand((5, 65), dtype, 1), _rand((5, 65), dtype, 2)
+    _check(BINARY[name], a, b)
+
+
+@pytest.mark.parametrize(
+    "sa, sb", [((4, 100), (100,)), ((3, 1, 65), (1, 5, 65)), ((2, 3, 63), (3, 1))], ids=str
+)
+def test_broadcasting(sa, sb):
+    _check(lambda a, b: a * b + a, _rand(sa, torch.float32, 3), _rand(sb, torch.float32, 4))
+
+
+REDUCE = {
+    "sum_last": lambda x: x.sum(-1),
+    "sum_first_keep": lambda x: x.sum(0, keepdim=True),
+    "mean": lambda x: x.mean(-1),
+    "amax": lambda x: x.amax(-1),
+    "max_dim": lambda x: x.max(dim=-1),
+    "argmax": lambda x: x.argmax(-1),
+    "var": lambda x: x.var(-1),
+    "softmax": lambda x: torch.softmax(x, -1),
+    "log_softmax": lambda x: torch.log_softmax(x, -1),
+    "softmax_dim0": lambda x: torch.softmax(x, 0),
+    "cumsum": lambda x: x.cumsum(-1),
+    "any": lambda x: (x > 1.5).any(-1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(3, 63), (4, 100), (2, 3, 65)], ids=str)
+@pytest.mark.parametrize("name", sorted(REDUCE))
+def test_reductions(name, shape, dtype):
+    if name in ("cumsum", "var") and dtype == torch.float16:
+        k = 4  # long fp16 chains: more ulps
+    else:
+        k = 1
+    if name in ("argmax", "max_dim"):
+        x = torch.randperm(math.prod(shape), generator=torch.Generator().manual_seed(5))
+        x = (x.reshape(shape).to(torch.float32) / 7).to(dtype)  # no ties
+    else:
+        x = _rand(shape, dtype, 6)
+    _check(REDUCE[name], x, k=k)
+
+
+LAYOUT = {
+    "view": lambda x: x.reshape(-1, 5).sum(-1),
+    "permute": lambda x: x.permute(1, 0) * 2,
+    "transpose_mm": lambda x: x.t() @ x,
+    "slice": lambda x: x[1:, 3:60:2] + 1,
+    "select": lambda x: x[2] * 3,
+    "cat": lambda x: torch.cat([x, x * 2], dim=-1),
+    "cat0": lambda x: torch.cat([x, x[:2]], dim=0),
+    "split": lambda x: torch.split(x, [20, 45], dim=1)[1] * 2,
+    "unsqueeze_expand": lambda x: x.unsqueeze(0).expand(3, -1, -1) + 1,
+    "gather": lambda x: torch.gather(x, 1, torch.tensor([[0, 3], [64, 1], [2, 2], [5, 5], [0, 0]])),
+    "index_select": lambda x: torch.index_select(x, 0, torch.tensor([4, 0, 2])),
+    "full": lambda x: x + torch.full((5, 65), 0.25),
+    "arange": lambda x: x + torch.arange(65),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(LAYOUT))
+def test_layout(name, dtype):
+    _check(LAYOUT[name], _rand((5, 65), dtype, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mkn", [(64, 128, 96), (5, 65, 100), (1, 150, 3)], ids=str)
+def test_matmul_family(mkn, dtype):
+    m, k, n = mkn
+    a, b, bias = _rand((m, k), dtype, 8), _rand((k, n), dtype, 9), _rand((n,), dtype, 10)
+    _check(lambda a, b: a @ b, a, b, k=4)
+    _check(lambda a, b, c: F.linear(a, b.t(), c), a, b, bias, k=4)
+    _check(lambda a, b: torch.bmm(a[None].expand(2, -1, -1), b[None].expand(2, -1, -1)), a, b, k=4)
+
+
+def test_embedding_and_layernorm():
+    emb = torch.nn.Embedding(100, 65)
+    ln = torch.nn.LayerNorm(65)
+    idx = torch.tensor([[0, 5, 99], [3, 3, 1]])
+    _check(lambda i: ln(emb(i)), idx)
+
+
+def test_int64_inputs_and_outputs():
+    x = torch.arange(12).reshape(3, 4)
+    _check(lambda x: x * 2 + 1, x)
+
+
+# ---------------------------------------------------------------------------------------------
+# real models (Hugging Face transformers, from configs with random weights)
+
+
+def _models():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from transformers import (
+        BertConfig,
+        BertModel,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    return {
+        "gpt2": lambda: GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=64,
+                n_head=4,
+                vocab_size=128,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "llama": lambda: LlamaForCausalLM(
+            LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                vocab_size=128,
+                max_position_embeddings=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        ),
+        "bert": lambda: BertModel(
+            BertConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=128,
+                max_position_embeddings=64,
+            )
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_transformer_models(name, dtype):
+    torch.manual_seed(0)
+    model = _models()[name]().eval().to(dtype)
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(1))
+    tb.reset_fallback_stats()
+    with torch.no_grad():
+        want = model(ids)[0]
+        got = _compile(model)(ids)[0]
+    assert tb.fallback_stats() == {}, tb.fallback_stats()
+    assert tb.compile_stats()["graphs"] >= 1
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = float(want.abs().max())
+    # fp16: a 2-layer block chain stores ~20 fp16 intermediates, each within an ulp
+    rt, at = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rt, atol=at * max(scale, 1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# fallback, strict, inference only
+
+
+def _sorted_rows(x):
+    s, _ = torch.sort(x, dim=-1)
+    return torch.tanh(s) * 2
+
+
+def test_unsupported_op_falls_back_with_warning_and_counter():
+    assert torch.ops.aten.sort.default not in RULES and torch.ops.aten.sort.stable not in RULES
+    tb.reset_fallback_stats()
+    x = _rand((4, 65), torch.float32, 11)
+    with pytest.warns(tb.SpyreFallbackWarning, match="sort"):
+        _check(_sorted_rows, x, fallback_ok=True)
+    stats = tb.fallback_stats()
+    assert any("sort" in k for k in stats) and sum(stats.values()) == 1
+    assert tb.compile_stats()["kernels"] >= 1  # the tanh * 2 still runs on the card
+
+
+def test_strict_raises_naming_op_and_line():
+    x = _rand((4, 65), torch.float32, 12)
+    with torch.no_grad():
+        with pytest.raises(Exception) as ei:
+            _compile(_sorted_rows, strict=True)(x)
+    # Dynamo wraps a backend's error in BackendCompilerFailed; ours is its inner exception
+    err = getattr(ei.value, "inner_exception", ei.value)
+    assert isinstance(err, UnsupportedPrimitiveError), repr(ei.value)
+    assert "sort" in str(err) and "test_torch_backend.py" in str(err)
+
+
+def test_unknown_option_rejected():
+    with pytest.raises(Exception, match="unknown options"):
+        with torch.no_grad():
+            _compile(lambda x: torch.tanh(x) + 1, fast=True)(torch.ones(3))
+
+
+def test_graph_that_needs_gradients_is_refused():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    with pytest.raises(Exception, match="inference only"):
+        _compile(lin)(x)
+    with torch.inference_mode():
+        _check(lin, x)
+
+
+def test_fallback_results_are_correct_in_the_middle_of_a_graph():
+    def f(x):
+        h = torch.relu(x @ x.t())
+        s, _ = torch.sort(h, dim=-1)
+        return torch.softmax(s, -1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tb.SpyreFallbackWarning)
+        _check(f, _rand((6, 65), torch.float32, 13), k=4, fallback_ok=True)
+
+
+def test_numpy_round_trip_bf16():
+    x = _rand((3, 65), torch.bfloat16, 14)
+    got = tb.from_host(tb.to_host(x), x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, x)
+    assert np.asarray(tb.to_host(torch.arange(3))).dtype == np.int32
