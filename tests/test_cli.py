@@ -26,6 +26,11 @@ def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
         assert label in out, label
     err = float(out.split("max |spyre - jax.jit(cpu)|")[1].split()[0])
     assert err < 0.05  # fp16 block, outputs of magnitude ~4
+    torch_part = out.split("PyTorch part")[1]
+    assert "card kernels / CPU fallbacks" in torch_part
+    assert torch_part.split("card kernels / CPU fallbacks")[1].split()[2] == "0"
+    terr = float(torch_part.split("max |spyre - torch eager(cpu)|")[1].split()[0])
+    assert terr < 0.05
     trace = json.loads(path.read_text())
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     assert {"stream 0", "compute", "copy in", "copy out"} <= names

@@ -31,6 +31,7 @@ __all__ = [
     "fallback_stats",
     "reset_fallback_stats",
     "compile_stats",
+    "compiled_kernels",
     "SpyreFallbackWarning",
     "InferenceOnlyError",
 ]
@@ -47,6 +48,7 @@ class InferenceOnlyError(RuntimeError):
 _lock = threading.Lock()
 _fallbacks: collections.Counter[str] = collections.Counter()
 _stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
+_kernels: list[Any] = []  # the spyre_jax Compiled of every card kernel since the last reset
 
 
 def fallback_stats() -> dict[str, int]:
@@ -59,6 +61,14 @@ def reset_fallback_stats() -> None:
     with _lock:
         _fallbacks.clear()
         _stats.update(graphs=0, kernels=0, compile_s=0.0)
+        _kernels.clear()
+
+
+def compiled_kernels() -> list[Any]:
+    """The card kernels (``spyre_jax.Compiled``) the backend made since the last reset: their
+    ``cost_analysis()`` gives simulated time, scratchpad peak, traffic, ..."""
+    with _lock:
+        return list(_kernels)
 
 
 def compile_stats() -> dict[str, float]:
@@ -170,6 +180,8 @@ class _CardGraph:
 
         self.graph = from_fx(gm, name="torch_graph")
         self.compiled = compile_graph(self.graph)
+        with _lock:
+            _kernels.append(self.compiled)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         outs = outs if isinstance(outs, list | tuple) else [outs]
         self.out_meta = [_val(o) for o in outs]
