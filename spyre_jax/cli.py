@@ -11,7 +11,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "demo_block", "bench_sim", "bench_launch", "bench_softmax"]
+__all__ = [
+    "main",
+    "demo_block",
+    "gpt2_small",
+    "run_demo",
+    "run_torch_demo",
+    "bench_sim",
+    "bench_launch",
+    "bench_softmax",
+    "bench_torch",
+]
 
 #: the published measurement the timing model is calibrated against (CARD.md: torch-spyre
 #: ``compiler/cost_model.md``, a 4096 x 2048 fp16 softmax on 32 cores)
@@ -306,6 +316,69 @@ def bench_softmax() -> dict[str, Any]:
     }
 
 
+def bench_torch(reps: int = 3) -> dict[str, dict[str, Any]]:
+    """GPT-2, Llama and BERT (small configs, random weights, fp32, 32 tokens) through
+    ``torch.compile(backend="spyre")``: compile time, simulated time on the card, card kernels,
+    CPU fallbacks, and the wall time of the simulation beside eager CPU in the same run."""
+    import torch
+    import transformers
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+
+    from torch_bridge import backend as tb
+
+    transformers.logging.set_verbosity_error()
+    gpt2, _ = gpt2_small(dtype="float32")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            vocab_size=512,
+            max_position_embeddings=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
+    bert = BertModel(
+        BertConfig(
+            num_hidden_layers=2,
+            hidden_size=128,
+            num_attention_heads=4,
+            intermediate_size=256,
+            vocab_size=512,
+            max_position_embeddings=64,
+        )
+    ).eval()
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(0))
+    res: dict[str, dict[str, Any]] = {}
+    for name, model in (("gpt2", gpt2), ("llama", llama), ("bert", bert)):
+        torch._dynamo.reset()
+        tb.reset_fallback_stats()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            c = torch.compile(model, backend="spyre")
+            got = c(ids)[0]
+            compile_s = time.perf_counter() - t0
+            want = model(ids)[0]
+            sim = _time(lambda c=c: c(ids), reps)
+            eager = _time(lambda m=model: m(ids), reps)
+        costs = [k.cost_analysis() for k in tb.compiled_kernels()]
+        res[name] = {
+            "compile_s": compile_s,
+            "sim_time_us": sum(k["sim_time_us"] for k in costs),
+            "kernels": len(costs),
+            "fallbacks": sum(tb.fallback_stats().values()),
+            "max_abs_err": float((got - want).abs().max()),
+            "sim_s": sim,
+            "eager_s": eager,
+            "ratio": sim / eager,
+        }
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spyre-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -314,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
     )
     pb = sub.add_parser("bench", help="benchmarks")
-    pb.add_argument("which", choices=["sim", "launch", "softmax"])
+    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch"])
     pb.add_argument("--json", action="store_true", help="print one JSON object")
     pb.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
@@ -322,7 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         run_demo(trace=args.trace)
         return 0
     if args.cmd == "bench" and args.which != "sim":
-        out = bench_launch(reps=args.reps) if args.which == "launch" else bench_softmax()
+        if args.which == "torch":
+            out = bench_torch(reps=args.reps)
+        elif args.which == "launch":
+            out = bench_launch(reps=args.reps)
+        else:
+            out = bench_softmax()
         if args.json:
             print(json.dumps(out))
         else:
