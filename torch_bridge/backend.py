@@ -187,10 +187,17 @@ class _CardGraph:
         self.out_meta = [_val(o) for o in outs]
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        leaves = [to_host(a) for a in args]
+        # spyre tensors go in as the card arrays they are (no host round trip) and results on
+        # spyre come back as spyre tensors; CPU tensors are copied in and out
+        from . import device as dev
+
+        leaves = [dev.as_card_array(a) if dev.is_spyre(a) else to_host(a) for a in args]
         arrays = self.compiled.call_flat(leaves)
         return tuple(
-            from_host(np.asarray(a), m) for a, m in zip(arrays, self.out_meta, strict=True)
+            dev.from_card_array(a, m)
+            if getattr(getattr(m, "device", None), "type", None) == dev.NAME
+            else from_host(np.asarray(a), m)
+            for a, m in zip(arrays, self.out_meta, strict=True)
         )
 
 

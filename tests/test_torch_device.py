@@ -1,0 +1,430 @@
+"""The ``spyre`` device (torch_bridge.device): tensors in the card's device memory, eager ops as
+one-op graphs through the shared lowering and launch, against eager CPU."""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spyre_jax
+from spyre_jax.runtime import runtime
+from torch_bridge import device as dev
+from torch_bridge.backend import SpyreFallbackWarning
+
+# fp32: the card computes in fp32 (sums in another order); fp16: each store rounds to fp16
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def _rand(shape, dtype=torch.float32, seed=0, lo=-2.0, hi=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) * (hi - lo) + lo).to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int = 1) -> None:
+    assert got.device.type == "spyre"
+    got, want = got.detach().cpu(), want.detach()
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    if not want.dtype.is_floating_point:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return
+    rt, at = TOL[want.dtype]
+    s = k**0.5
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    torch.testing.assert_close(got.float(), want.float(), rtol=rt * s, atol=at * s * scale)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------
+# the device and its module
+
+
+def test_torch_spyre_module():
+    assert torch.spyre.is_available()
+    assert torch.spyre.device_count() == 1
+    assert torch.spyre.current_device() == 0
+    x = torch.ones(3, device="spyre") + 1
+    assert torch.spyre.synchronize() is None
+    assert x.device == torch.device("spyre", 0) and x.is_spyre
+    assert torch.spyre.memory_allocated() == spyre_jax.memory_stats()["bytes_in_use"]
+
+
+def test_entry_point_and_import_torch_alone():
+    eps = importlib.metadata.entry_points(group="torch.backends")
+    assert [e.value for e in eps if e.name == "spyre"] == ["torch_bridge.device:_autoload"]
+    code = (
+        "import sys, torch\n"
+        "assert torch._C._get_privateuse1_backend_name() == 'spyre'\n"
+        "assert 'jax' not in sys.modules, 'jax imported at import torch'\n"
+        "x = torch.arange(4.0).to('spyre')\n"
+        "print(x.device, x.cpu().tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "spyre:0 [0.0, 1.0, 2.0, 3.0]"
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: storages are regions of the card's device memory
+
+
+def _region_of(ptr: int) -> tuple[int, int]:
+    """The live device-memory region (base, size) holding address ``ptr``."""
+    (hit,) = [(a, n) for a, n in runtime().memory.live().items() if a <= ptr < a + n]
+    return hit
+
+
+def test_storage_is_device_memory_and_freed():
+    gc.collect()
+    before = spyre_jax.memory_stats()["bytes_in_use"]
+    t = torch.empty(1000, 1000, device="spyre")
+    base, size = _region_of(_storage(t))
+    assert runtime().memory.tag_of(base) == "torch" and _storage(t) != 0
+    assert _storage(t) + 4_000_000 <= base + size
+    grown = spyre_jax.memory_stats()["bytes_in_use"] - before
+    assert grown == size and 4_000_000 <= grown <= 4_000_000 + 256  # aligned (and off address 0)
+    v = t[10:].t()  # a view keeps the storage alive
+    del t
+    gc.collect()
+    assert spyre_jax.memory_stats()["bytes_in_use"] - before == grown
+    del v
+    gc.collect()
+    assert spyre_jax.memory_stats()["bytes_in_use"] == before
+
+
+def test_eager_results_do_not_leak():
+    x = torch.randn(32, 64).to("spyre")
+    y = x * 2 + 1  # warm
+    del y
+    gc.collect()
+    before = spyre_jax.memory_stats()["bytes_in_use"]
+    for _ in range(3):
+        y = torch.softmax(x * 2 + 1, -1)
+    del y
+    gc.collect()
+    assert spyre_jax.memory_stats()["bytes_in_use"] == before
+
+
+# ---------------------------------------------------------------------------------------------
+# factories and host round trips
+
+
+def test_factories():
+    e = torch.empty(2, 3, device="spyre")
+    assert e.device.type == "spyre" and e.shape == (2, 3) and e.dtype == torch.float32
+    assert torch.equal(torch.zeros(2, 3, device="spyre").cpu(), torch.zeros(2, 3))
+    o = torch.ones(4, 70, device="spyre", dtype=torch.float16)
+    assert o.dtype == torch.float16 and torch.equal(o.cpu(), torch.ones(4, 70, dtype=torch.float16))
+    assert torch.equal(torch.full((3,), 2.5, device="spyre").cpu(), torch.full((3,), 2.5))
+    assert torch.equal(torch.arange(5, device="spyre").cpu(), torch.arange(5))
+    torch.manual_seed(1)
+    r = torch.randn(8, 33, device="spyre")
+    torch.manual_seed(1)
+    assert torch.equal(r.cpu(), torch.randn(8, 33))  # the CPU generator draws the numbers
+    assert torch.equal(torch.zeros_like(r).cpu(), torch.zeros(8, 33))
+
+
+ROUND_TRIP = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+@pytest.mark.parametrize("dtype", ROUND_TRIP, ids=lambda d: str(d).removeprefix("torch."))
+def test_round_trip_exact(dtype):
+    if dtype.is_floating_point:
+        x = torch.randn(5, 67).to(dtype)
+        x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        x = x.view({4: torch.int32, 2: torch.int16}[x.element_size()])  # compare the bits
+        assert torch.equal(x.view(dtype).to("spyre").cpu().view(x.dtype), x)
+        assert torch.equal(x.view(dtype).t().to("spyre").cpu().view(x.dtype), x.t())
+        return
+    if dtype == torch.bool:
+        x = torch.rand(5, 67) > 0.5
+        assert torch.equal(x.to("spyre").cpu(), x)
+    else:
+        info = torch.iinfo(dtype)
+        x = torch.randint(info.min, info.max, (5, 67), dtype=dtype)
+        assert torch.equal(x.to("spyre").cpu(), x)
+    assert torch.equal(x.t().to("spyre").cpu(), x.t())  # a non-contiguous CPU source
+
+
+def test_module_to_and_back():
+    m = torch.nn.Linear(5, 3)
+    w = m.weight.detach().clone()
+    m.to("spyre")
+    assert m.weight.device.type == "spyre" and isinstance(m.weight, torch.nn.Parameter)
+    m.cpu()
+    assert torch.equal(m.weight, w)
+
+
+def test_printing():
+    x = torch.tensor([[1.5, -2.0, 3.25], [0.0, 7.0, 1e-3]])
+    s = repr(x.to("spyre"))
+    assert "device='spyre:0'" in s
+    assert s.replace(", device='spyre:0'", "") == repr(x)
+    assert "dtype=torch.float16" in repr(x.half().to("spyre"))
+    assert "device='spyre:0'" in repr(torch.empty(0, device="spyre"))
+    assert x.to("spyre")[1, 2].item() == pytest.approx(1e-3)
+    assert x.to("spyre").tolist() == x.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# views share storage
+
+
+def test_views_share_storage_and_see_later_writes():
+    x = _rand((6, 10))
+    xs = x.to("spyre")
+    views = {
+        "view": (xs.view(3, 20), x.view(3, 20)),
+        "reshape": (xs.reshape(60), x.reshape(60)),
+        "permute": (xs.permute(1, 0), x.permute(1, 0)),
+        "slice": (xs[1:4, 2:], x[1:4, 2:]),
+        "transpose": (xs.transpose(0, 1), x.transpose(0, 1)),
+        "t": (xs.t(), x.t()),
+        "select": (xs[2], x[2]),
+        "unsqueeze": (xs.unsqueeze(0), x.unsqueeze(0)),
+        "expand": (xs[:1].expand(4, 10), x[:1].expand(4, 10)),
+        "strided": (xs[::2, ::3], x[::2, ::3]),
+    }
+    for name, (v, ref) in views.items():
+        assert _storage(v) == _storage(xs), name
+        assert v.stride() == ref.stride() and v.storage_offset() == ref.storage_offset(), name
+        assert torch.equal(v.cpu(), ref), name
+    xs.mul_(2)  # in place on the base: every view sees it
+    x.mul_(2)
+    for name, (v, ref) in views.items():
+        assert torch.equal(v.cpu(), ref), name
+    sl = xs[1:4, 2:]  # in place through a view: the base sees it
+    sl.add_(1)
+    x[1:4, 2:].add_(1)
+    assert torch.equal(xs.cpu(), x)
+
+
+def test_ops_on_views():
+    x = _rand((7, 65))
+    xs = x.to("spyre")
+    for got, want in [
+        (xs.t() * 3, x.t() * 3),
+        (xs[2:, 5:40] + xs[:5, :35], x[2:, 5:40] + x[:5, :35]),
+        (xs[::2].exp(), x[::2].exp()),
+        (xs.t() @ xs, x.t() @ x),
+        (xs.t().contiguous(), x.t().contiguous()),
+    ]:
+        _close(got, want, k=7)
+        assert got.stride() == want.stride()  # torch's own result layout (dense permutations)
+
+
+def test_out_and_inplace_variants():
+    x, y = _rand((4, 40), seed=1), _rand((4, 40), seed=2)
+    xs, ys = x.to("spyre"), y.to("spyre")
+    out = torch.empty(0, device="spyre")
+    r = torch.add(xs, ys, alpha=2, out=out)
+    assert r is out
+    _close(out, torch.add(x, y, alpha=2))
+    zs = xs.clone()
+    zs.sub_(ys).relu_()
+    _close(zs, (x - y).relu())
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        xs[:1].add_(ys)
+
+
+# ---------------------------------------------------------------------------------------------
+# eager ops against CPU
+
+SHAPES = [(1, 1), (5, 65), (3, 100), (2, 3, 70)]
+
+ELEMENTWISE = {
+    "add": lambda a, b: a + b,
+    "sub_scalar": lambda a, b: a - 1.5,
+    "rsub": lambda a, b: 2.0 - a,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / (b.abs() + 0.5),
+    "neg": lambda a, b: -a,
+    "exp": lambda a, b: torch.exp(a),
+    "tanh": lambda a, b: torch.tanh(a),
+    "sigmoid": lambda a, b: torch.sigmoid(a),
+    "maximum": lambda a, b: torch.maximum(a, b),
+    "where": lambda a, b: torch.where(a > b, a, b),
+    "gt": lambda a, b: a > b,
+    "pow2": lambda a, b: a**2,
+    "gelu": lambda a, b: F.gelu(a),
+    "silu": lambda a, b: F.silu(a),
+    "relu": lambda a, b: F.relu(a),
+    "bcast_row": lambda a, b: a + b[..., :1, :],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("name", list(ELEMENTWISE))
+def test_elementwise(name, dtype):
+    fn = ELEMENTWISE[name]
+    for shape in [(5, 65), (2, 3, 70)]:
+        a, b = _rand(shape, dtype, 1), _rand(shape, dtype, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SpyreFallbackWarning)  # all of these run on the card
+            got = fn(a.to("spyre"), b.to("spyre"))
+        _close(got, fn(a, b))
+
+
+REDUCE_AND_NORM = {
+    "sum": lambda a: a.sum(-1),
+    "mean_keep": lambda a: a.mean(0, keepdim=True),
+    "amax": lambda a: a.amax(-1),
+    "argmax": lambda a: a.argmax(-1),
+    "softmax": lambda a: torch.softmax(a, -1),
+    "log_softmax": lambda a: torch.log_softmax(a, -1),
+    "layer_norm": lambda a: F.layer_norm(a, a.shape[-1:]),
+    "cat": lambda a: torch.cat([a, a * 2], -1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("name", list(REDUCE_AND_NORM))
+def test_reductions_and_norms(name, dtype):
+    fn = REDUCE_AND_NORM[name]
+    for shape in SHAPES:
+        a = _rand(shape, dtype, 3)
+        _close(fn(a.to("spyre")), fn(a), k=shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_matmuls(dtype):
+    a, b = _rand((5, 65), dtype, 1), _rand((65, 33), dtype, 2)
+    _close(a.to("spyre") @ b.to("spyre"), a @ b, k=65)
+    p, q = _rand((3, 7, 65), dtype, 3), _rand((3, 65, 20), dtype, 4)
+    _close(torch.bmm(p.to("spyre"), q.to("spyre")), torch.bmm(p, q), k=65)
+    _close(p.to("spyre") @ b.to("spyre"), p @ b, k=65)  # matmul: view + mm
+
+
+def test_embedding_and_int64():
+    emb = torch.nn.Embedding(50, 24)
+    idx = torch.tensor([[1, 2, 49], [0, 0, 7]])
+    want = emb(idx)
+    emb.to("spyre")
+    _close(emb(idx.to("spyre")), want)
+    xs = _rand((4, 70)).to("spyre")
+    i = xs.argmax(-1)
+    assert i.dtype == torch.int64 and torch.equal(i.cpu(), xs.cpu().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_sequential_model(dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(48, 96), torch.nn.GELU(), torch.nn.LayerNorm(96), torch.nn.Linear(96, 40)
+    ).to(dtype)
+    x = _rand((2, 7, 48), dtype, 5)
+    with torch.no_grad():
+        want = m(x)
+        m.to("spyre")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SpyreFallbackWarning)
+            got = m(x.to("spyre"))
+    _close(got, want, k=96)
+
+
+def test_backward_runs_on_spyre():
+    a = _rand((3, 5)).to("spyre").requires_grad_()
+    (a @ a.t() + a.sum()).sum().backward()
+    ac = a.detach().cpu().requires_grad_()
+    (ac @ ac.t() + ac.sum()).sum().backward()
+    assert a.grad.device.type == "spyre"
+    _close(a.grad, ac.grad, k=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# compile caching
+
+
+def test_same_op_same_shapes_compiles_once():
+    a, b = _rand((9, 77)).to("spyre"), _rand((9, 77), seed=1).to("spyre")
+    n0 = dev.compile_count()
+    a * b + 1.0
+    n1 = dev.compile_count()
+    assert n1 - n0 == 2  # mul, add
+    for _ in range(3):
+        a * b + 1.0
+    a.t().contiguous().t() * b  # other strides, same shapes: gathered, not recompiled
+    a * b + 2.5  # numbers in tensor positions are inputs, not constants
+    assert dev.compile_count() == n1
+    a[:3] * b[:3]  # another shape: one more
+    assert dev.compile_count() == n1 + 1
+    (a * b).half()  # dtype conversion is a copy, not a compile
+    a.half() * b.half()  # another dtype: one more
+    assert dev.compile_count() == n1 + 2
+    assert torch.spyre.compile_count() == dev.compile_count()
+
+
+# ---------------------------------------------------------------------------------------------
+# devices and fallbacks
+
+
+def test_mixed_devices_raise():
+    xs, x = torch.ones(3, 4).to("spyre"), torch.ones(3, 4)
+    msg = "Expected all tensors to be on the same device, but found at least two devices"
+    for f in (lambda: xs + x, lambda: x + xs, lambda: xs @ x.t(), lambda: torch.cat([xs, x])):
+        with pytest.raises(RuntimeError, match=msg) as e:
+            f()
+        assert "spyre:0" in str(e.value) and "cpu" in str(e.value)
+    # 0-dim CPU tensors are scalars and may join
+    _close(xs * torch.tensor(3.0), x * 3.0)
+
+
+def test_unsupported_op_falls_back_with_warning():
+    dev.reset_stats()
+    x = _rand((4, 10))
+    with pytest.warns(SpyreFallbackWarning, match="cumprod"):
+        got = torch.cumprod(x.to("spyre"), 1)
+    _close(got, torch.cumprod(x, 1))
+    assert dev.fallback_stats() == {"aten.cumprod.default": 1}
+    with pytest.warns(SpyreFallbackWarning, match="float64"):
+        d = torch.ones(3, dtype=torch.float64).to("spyre") * 2
+    assert d.device.type == "spyre" and torch.equal(d.cpu(), torch.full((3,), 2.0).double())
+    assert dev.eager_stats()["cpu_fallbacks"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile backend's doors
+
+
+def test_card_array_round_trip():
+    x = _rand((5, 70))
+    xs = x.to("spyre")
+    a = dev.as_card_array(xs.t())  # a strided view: gathered into the stick layout
+    assert isinstance(a, spyre_jax.Array) and a.shape == (70, 5) and a.layout.device_shape[-1] == 32
+    assert np.array_equal(np.asarray(a), x.t().numpy())
+    back = dev.from_card_array(a)
+    assert back.device.type == "spyre" and torch.equal(back.cpu(), x.t())
+    ia = spyre_jax.device_put(np.arange(6, dtype=np.int32).reshape(2, 3))
+    t = dev.from_card_array(ia, torch.empty(2, 3, dtype=torch.int64, device="meta"))
+    assert t.dtype == torch.int64 and torch.equal(t.cpu(), torch.arange(6).reshape(2, 3))
+
+
+def test_torch_compile_on_spyre_inputs():
+    torch._dynamo.reset()
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32))
+    x = _rand((4, 16))
+    with torch.no_grad():
+        want = m(x)
+        m.to("spyre")
+        got = torch.compile(m, backend="spyre", dynamic=False)(x.to("spyre"))
+    assert got.device.type == "spyre"  # stayed on the card: no host round trip
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)

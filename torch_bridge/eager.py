@@ -1,0 +1,626 @@
+"""Eager compute ops on ``spyre`` tensors: one-op graphs through the compile path, cached.
+
+An op on spyre tensors becomes a one-op FX graph built by hand (placeholders whose
+``meta["val"]`` are fake tensors, one ``call_function`` node whose ``meta["val"]`` is the fake
+result computed by torch's own fake kernels), imported by ``lowering.from_fx`` and compiled by
+``spyre_jax.api.compile_graph``: the same lowering, kernel and launch as ``torch.compile``.
+A node ``from_fx`` has no rule for is retried as the op's core-ATen decomposition
+(``make_fx`` with ``core_aten_decompositions``) when every op of that has a rule.
+
+Compiled graphs are cached by (op, argument structure, each tensor's shape and dtype, the static
+arguments, the card): the same op on the same shapes never compiles twice (:func:`stats`,
+``"compiles"``). Inputs are gathered from their storage into the card's stick layout for the
+launch (a strided view is a re-layout step); results become fresh storage (the launch's own
+output region where it fits). Python numbers in tensor positions (``x + 2.5``) are rank-0
+inputs, not compile-time constants, so ``x + 2.5`` and ``x + 3.5`` share one kernel; numbers in
+scalar positions (``alpha``, ``dim``, ``eps``, a ``pow`` exponent) are static and in the key.
+
+In-place and ``out=`` variants run their functional op on the card and copy the result into
+the written tensor. An op with no lowering rule (or one the card cannot run: float64, a
+data-dependent shape, ...) runs on the CPU with a :class:`~torch_bridge.backend.
+SpyreFallbackWarning` naming it, counted in :func:`fallback_counts`. Ops with no spyre inputs
+(factories such as ``arange(..., device="spyre")``) are computed on the host and copied in,
+uncounted as fallbacks (``"host_factories"``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from . import device as dev
+
+__all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
+
+aten = torch.ops.aten
+_lock = threading.RLock()
+_counts = {"compiles": 0, "launches": 0, "cache_hits": 0, "cpu_fallbacks": 0, "host_factories": 0}
+_fallbacks: collections.Counter[str] = collections.Counter()
+
+
+def stats() -> dict[str, int]:
+    """compiles (card kernels built), launches, cache_hits, cpu_fallbacks, host_factories."""
+    with _lock:
+        return dict(_counts, cache_entries=len(_plans))
+
+
+def fallback_counts() -> dict[str, int]:
+    """ATen op -> eager calls of it that ran on the CPU."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _counts:
+            _counts[k] = 0
+        _fallbacks.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# which ops get a PrivateUse1 kernel of their own
+
+#: ops with lowering rules that are better left to their composite kernels (data movement:
+#: empty + copy_/fill_, which work on the payload directly)
+_NOT_REGISTERED = frozenset(
+    {
+        "aten::_to_copy",
+        "aten::clone",
+        "aten::lift_fresh_copy",
+        "aten::_unsafe_view",
+        "aten::full_like",
+        "aten::zeros_like",
+        "aten::ones_like",
+    }
+)
+
+
+def _eligible(op: Any) -> bool:
+    """A rule's op gets a spyre kernel if it computes (no view), has a tensor input and no
+    CompositeImplicitAutograd kernel (those decompose before reaching the backend)."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    s = op._schema
+    if s.name in _NOT_REGISTERED:
+        return False
+    if any(r.alias_info is not None for r in s.returns):
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
+        return False
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return False
+    return any(_is_tensor_type(a.type) or "Tensor" in str(a.type) for a in s.arguments)
+
+
+def _is_tensor_type(t: Any) -> bool:
+    if isinstance(t, torch._C.OptionalType):
+        t = t.getElementType()
+    return isinstance(t, torch._C.TensorType)
+
+
+def register_kernels(lib: torch.library.Library) -> None:
+    """A PrivateUse1 kernel for every functional op ``lowering.from_fx`` has a rule for."""
+    from lowering.from_fx import RULES
+
+    for op in list(RULES):
+        if _eligible(op):
+            lib.impl(op, _kernel_for(op), "PrivateUse1")
+
+
+def _kernel_for(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _compute(op, args, kwargs)  # the device check is part of the signature
+
+    kernel.__name__ = f"spyre_{op.name().replace('::', '_').replace('.', '_')}"
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# the boxed fallback: every other op on spyre tensors
+
+
+def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrivateUse1 fallback: views are metadata (CPU kernels), in-place and ``out=`` ops run
+    their functional op on the card and copy into the written tensor, functional ops go to the
+    card, and what the card cannot run goes to the CPU with a warning."""
+    s = op._schema
+    if s.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns):
+        return op.redispatch(dev._CPU_KS, *args, **kwargs)
+    dev._check_same_device(tree_flatten((args, kwargs))[0])
+    written = _written(op, args, kwargs)
+    if not _has_spyre_input(op, args, kwargs):
+        with _lock:
+            _counts["host_factories"] += 1
+        return _run_cpu(op, args, kwargs, reason=None)
+    if not written:
+        return _compute(op, args, kwargs)
+    func = _functional(op)
+    if func is not None:
+        fargs, fkwargs = _functional_args(op, args, kwargs)
+        res = _try_card(func, fargs, fkwargs)
+        if res is not None:
+            outs = list(res) if isinstance(res, tuple | list) else [res]
+            if len(outs) == len(written):
+                return _write_back(op, written, outs)
+        reason = _reason(func, fargs, fkwargs)
+        if reason is None:  # nothing to compute (no elements)
+            with _lock:
+                _counts["host_factories"] += 1
+    else:
+        reason = "no functional form"
+    return _run_cpu(op, args, kwargs, reason=reason, name=func)
+
+
+def _written(op: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
+    """The tensors ``op`` writes, as (tensor, is an out= argument), in schema order."""
+    out = []
+    for i, a in enumerate(op._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            out.append((v, bool(a.is_out)))
+    return out
+
+
+def _has_spyre_input(op: Any, args: tuple, kwargs: dict) -> bool:
+    for i, a in enumerate(op._schema.arguments):
+        if a.is_out:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if any(dev.is_spyre(x) for x in tree_flatten(v)[0]):
+            return True
+    return False
+
+
+_functional_cache: dict[Any, Any] = {}
+
+
+def _functional(op: Any) -> Any:
+    """The functional overload of an in-place (``add_.Tensor`` -> ``add.Tensor``) or ``out=``
+    (``add.out`` -> ``add.Tensor``) op, or None."""
+    if op in _functional_cache:
+        return _functional_cache[op]
+    s = op._schema
+    name = s.name.split("::", 1)[1]
+    found = None
+    if any(a.is_out for a in s.arguments):
+        want = [(a.name, str(a.type)) for a in s.arguments if not a.is_out]
+        nouts = sum(1 for a in s.arguments if a.is_out)
+        packet = op.overloadpacket
+        for ov in packet.overloads():
+            cand = getattr(packet, ov)
+            cs = cand._schema
+            if any(a.alias_info is not None for a in cs.arguments) or len(cs.returns) != nouts:
+                continue
+            if [(a.name, str(a.type)) for a in cs.arguments] == want:
+                found = cand
+                break
+    elif name.endswith("_"):
+        packet = getattr(aten, name[:-1], None)
+        cand = getattr(packet, op._overloadname, None) if packet is not None else None
+        if cand is not None:
+            names = [a.name for a in cand._schema.arguments]
+            if names == [a.name for a in s.arguments] and not any(
+                a.alias_info is not None for a in cand._schema.arguments
+            ):
+                found = cand
+    _functional_cache[op] = found
+    return found
+
+
+def _functional_args(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The functional op's arguments: the in-place/out= op's, without the out= ones."""
+    outs = {a.name for a in op._schema.arguments if a.is_out}
+    return args, {k: v for k, v in kwargs.items() if k not in outs}
+
+
+def _write_back(op: Any, written: list, results: list) -> Any:
+    """Copy the card's results into the tensors the op writes; return what the op returns."""
+    for (dst, is_out), r in zip(written, results, strict=True):
+        if tuple(r.shape) != tuple(dst.shape):
+            if not is_out:
+                raise RuntimeError(
+                    f"output with shape {list(dst.shape)} doesn't match the broadcast shape "
+                    f"{list(r.shape)}"
+                )
+            dst.resize_(r.shape)
+        dev._alias(dst).copy_(dev._alias(r))
+        dev._device_step("copy", dst, [r])
+    ts = [d for d, _ in written]
+    return ts[0] if len(op._schema.returns) == 1 else tuple(ts)
+
+
+# ---------------------------------------------------------------------------------------------
+# plans: one per (op, signature)
+
+
+class _Lift:
+    """A Python number in a tensor position (a wrapped number): a rank-0 graph input."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v: Any):
+        self.v = v
+
+
+_LIFT_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float32}
+_NP_OF = {torch.bool: np.bool_, torch.int64: np.int32, torch.float32: np.float32}
+
+
+class _Plan:
+    """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
+    inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
+
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host")
+
+    def __init__(self) -> None:
+        self.compiled: Any = None
+        #: (leaf index, kind: T spyre tensor / C cpu 0-dim tensor / S number, dtype, layout)
+        self.inputs: list[tuple[int, str, torch.dtype, Any]] = []
+        #: each result's (torch dtype, strides or None for contiguous)
+        self.outs: list[tuple[torch.dtype, tuple[int, ...] | None]] = []
+        self.single = True
+        self.reason: str | None = None
+        self.host = False  # runs on the host silently (no elements to compute)
+
+
+_plans: dict[Any, _Plan] = {}
+_compiled: dict[Any, Any] = {}  # card key (no strides) -> Compiled
+_lift_slots: dict[Any, tuple[frozenset, frozenset]] = {}
+
+
+def _slots(op: Any) -> tuple[frozenset, frozenset]:
+    r = _lift_slots.get(op)
+    if r is None:
+        args = op._schema.arguments
+        r = (
+            frozenset(
+                i for i, a in enumerate(args) if not a.kwarg_only and _is_tensor_type(a.type)
+            ),
+            frozenset(a.name for a in args if _is_tensor_type(a.type)),
+        )
+        _lift_slots[op] = r
+    return r
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, bool | int | float) and not isinstance(v, torch.SymInt)
+
+
+def _signature(op: Any, args: tuple, kwargs: dict) -> tuple[list, Any, tuple, tuple]:
+    """(leaves, treespec, card key, strides of the spyre inputs)."""
+    pos, names = _slots(op)
+    if pos or names:
+        args = tuple(_Lift(v) if i in pos and _is_number(v) else v for i, v in enumerate(args))
+        kwargs = {k: _Lift(v) if k in names and _is_number(v) else v for k, v in kwargs.items()}
+    leaves, spec = tree_flatten((args, kwargs))
+    sig = []
+    strides = []
+    first = None
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            d = x.device
+            if not (d.type == "cpu" and x.dim() == 0):
+                if first is None:
+                    first = d
+                elif d != first:
+                    dev._check_same_device(leaves)  # raises torch's device-mismatch error
+            if d.type == dev.NAME:
+                sig.append(("T", tuple(x.shape), x.dtype))
+                strides.append(tuple(x.stride()))
+            else:
+                sig.append(("C", tuple(x.shape), x.dtype))
+        elif isinstance(x, _Lift):
+            sig.append(("S", type(x.v)))
+        else:
+            try:
+                hash(x)
+                sig.append(("V", type(x), x))
+            except TypeError:
+                sig.append(("R", type(x), repr(x)))
+    key = (op, spec, tuple(sig), dev._runtime())
+    return leaves, spec, key, tuple(strides)
+
+
+def _plan_for(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
+    leaves, spec, key, strides = _signature(op, args, kwargs)
+    pkey = (key, strides)
+    plan = _plans.get(pkey)
+    if plan is not None:
+        with _lock:
+            _counts["cache_hits"] += 1
+        return plan, leaves
+    with _lock:
+        plan = _plans.get(pkey)
+        if plan is None:
+            plan = _build(op, leaves, spec, key)
+            _plans[pkey] = plan
+    return plan, leaves
+
+
+def _fake_leaves(leaves: list, mode: Any) -> tuple[list, list]:
+    """(fakes with the call's own values, for the result's meta; placeholder fakes)."""
+    orig, ph = [], []
+    with mode:
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                f = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype)
+                orig.append(f)
+                pdt = torch.float32 if x.dtype == torch.float64 and x.dim() == 0 else x.dtype
+                ph.append(f if pdt == x.dtype else torch.empty((), dtype=pdt))
+            elif isinstance(x, _Lift):
+                orig.append(x.v)
+                ph.append(torch.empty((), dtype=_LIFT_DTYPE[type(x.v)]))
+            else:
+                orig.append(x)
+                ph.append(None)
+    return orig, ph
+
+
+def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
+    """Trace, import and compile the op for this signature (or say why it cannot be)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from device_model.memory import DeviceOOMError
+
+    plan = _Plan()
+    try:
+        mode = FakeTensorMode()
+        orig, ph = _fake_leaves(leaves, mode)
+        a, k = tree_unflatten(orig, spec)
+        with mode:
+            out = op(*a, **k)
+        outs = list(out) if isinstance(out, tuple | list) else [out]
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            plan.reason = "a result that is not a tensor"
+            return plan
+        plan.single = not isinstance(out, tuple | list)
+        plan.outs = [(o.dtype, dev._dense_strides(o, tuple(o.shape))) for o in outs]
+        spyre_in = [x for x in leaves if dev.is_spyre(x)]
+        if any(x.numel() == 0 for x in spyre_in) or any(o.numel() == 0 for o in outs):
+            plan.host = True
+            plan.reason = "no elements"
+            return plan
+        from device_model.layout import layout_for
+        from lowering.from_fx import card_dtype
+
+        stick = dev._runtime().card.stick_bytes
+        inputs = []
+        for i, (x, p) in enumerate(zip(leaves, ph, strict=True)):
+            if p is None:
+                continue
+            if dev.is_spyre(x):
+                lay = layout_for(tuple(x.shape), card_dtype(x.dtype, "an input"), stick)
+                inputs.append((i, "T", x.dtype, lay))
+            else:
+                inputs.append((i, "C" if isinstance(x, torch.Tensor) else "S", p.dtype, None))
+        plan.inputs = inputs
+        gm = _one_op_graph(op, spec, leaves, ph, out, outs)
+        compiled = _compiled.get(key)  # another stride pattern may have compiled it
+        if compiled is None:
+            compiled = _compile(op, gm, spec, orig, inputs)
+            _compiled[key] = compiled
+        plan.compiled = compiled
+    except DeviceOOMError:
+        raise
+    except Exception as e:  # no rule, a dtype the card lacks, a data-dependent shape, ...
+        plan.compiled = None
+        plan.reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return plan
+
+
+def _one_op_graph(
+    op: Any, spec: Any, leaves: list, ph: list, out: Any, outs: list
+) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    env: list[Any] = []
+    for i, (x, p) in enumerate(zip(leaves, ph, strict=True)):
+        if p is None:
+            env.append(x)
+        else:
+            n = g.placeholder(f"x{i}")
+            n.meta["val"] = p
+            env.append(n)
+    a, k = tree_unflatten(env, spec)
+    node = g.call_function(op, tuple(a), dict(k))
+    node.meta["val"] = out
+    if isinstance(out, tuple | list):
+        import operator
+
+        items = []
+        for j, o in enumerate(outs):
+            gi = g.call_function(operator.getitem, (node, j))
+            gi.meta["val"] = o
+            items.append(gi)
+        g.output(tuple(items))
+    else:
+        g.output(node)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: list) -> Any:
+    """``from_fx`` + ``compile_graph`` for the one-op graph, or for the op's core-ATen
+    decomposition when the op itself has no rule (only without lifted numbers)."""
+    from lowering.from_fx import from_fx, supported
+    from spyre_jax.api import compile_graph
+
+    name = "eager_" + op.name().replace("::", "_").replace(".", "_")
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    if not supported(node):
+        if any(kind != "T" for _, kind, _, _ in inputs):
+            raise NotImplementedError(f"no lowering rule for {op}")
+        gm = _decomposed(op, spec, orig, inputs)
+        bad = [n for n in gm.graph.nodes if not supported(n)]
+        if bad:
+            raise NotImplementedError(
+                f"no lowering rule for {op} (nor for {bad[0].target} in its decomposition)"
+            )
+    graph = from_fx(gm, name=name)
+    compiled = compile_graph(graph)
+    with _lock:
+        _counts["compiles"] += 1
+    return compiled
+
+
+def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    idx = [i for i, _, _, _ in inputs]
+
+    def f(*ts: torch.Tensor) -> Any:
+        vals = list(orig)
+        for i, t in zip(idx, ts, strict=True):
+            vals[i] = t
+        a, k = tree_unflatten(vals, spec)
+        return op(*a, **k)
+
+    return make_fx(f, decomposition_table=core_aten_decompositions(), tracing_mode="real")(
+        *[orig[i] for i in idx]
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+
+def _try_card(op: Any, args: tuple, kwargs: dict) -> Any:
+    """The op's results as spyre tensors, computed on the card; None if it runs on the CPU."""
+    plan, leaves = _plan_for(op, args, kwargs)
+    if plan.compiled is None:
+        return None
+    return _launch(plan, leaves)
+
+
+def _reason(op: Any, args: tuple, kwargs: dict) -> str | None:
+    plan, _ = _plan_for(op, args, kwargs)
+    return None if plan.host else plan.reason
+
+
+def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
+    plan, leaves = _plan_for(op, args, kwargs)
+    if plan.compiled is not None:
+        return _launch(plan, leaves)
+    if plan.host:
+        with _lock:
+            _counts["host_factories"] += 1
+        return _run_cpu(op, args, kwargs, reason=None)
+    return _run_cpu(op, args, kwargs, reason=plan.reason)
+
+
+def _launch(plan: _Plan, leaves: list) -> Any:
+    from .backend import to_host
+
+    operands: list[Any] = []
+    temps = []
+    try:
+        for i, kind, pdt, lay in plan.inputs:
+            x = leaves[i]
+            if kind == "T":
+                a = dev._card_array(x, lay)
+                temps.append(a)
+                operands.append(a)
+            elif kind == "C":
+                operands.append(to_host(x.to(pdt) if x.dtype != pdt else x))
+            else:
+                operands.append(np.asarray(x.v, dtype=_NP_OF[pdt]))
+        arrays = plan.compiled.call_flat(operands)
+    finally:
+        for a in temps:
+            a.delete()
+    with _lock:
+        _counts["launches"] += 1
+    res = [dev._from_card(a, dt, st) for a, (dt, st) in zip(arrays, plan.outs, strict=True)]
+    return res[0] if plan.single else tuple(res)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside torch and torch_bridge (the user's line)."""
+    import sys
+
+    f = sys._getframe(1)
+    level = 1
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "/torch/" not in fn and "/torch_bridge/" not in fn and not fn.startswith("<"):
+            return level
+        f = f.f_back
+        level += 1
+    return 2
+
+
+def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: Any = None) -> Any:
+    """Run ``op`` on the CPU over the spyre tensors' bytes: in-place writes land in device
+    memory, ``out=`` tensors are resized and filled, new results are copied in. With a
+    ``reason``, warn (naming the op, or ``name``: the functional op of an in-place/out= one)
+    and count it as a fallback."""
+    if reason is not None:
+        from .backend import SpyreFallbackWarning
+
+        what = str(name or op)
+        warnings.warn(
+            f"spyre: ATen op {what} has no card kernel here; it runs on the CPU ({reason})",
+            SpyreFallbackWarning,
+            stacklevel=_user_stacklevel(),
+        )
+        with _lock:
+            _counts["cpu_fallbacks"] += 1
+            _fallbacks[what] += 1
+    schema = op._schema
+    stand_in: dict[int, torch.Tensor] = {}  # id(cpu tensor) -> the spyre tensor it stands for
+    outs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def to_cpu(v: Any, write: bool, is_out: bool) -> Any:
+        if isinstance(v, torch.device) and v.type == dev.NAME:
+            return torch.device("cpu")
+        if not dev.is_spyre(v):
+            return v
+        if is_out:
+            c = torch.empty(0, dtype=v.dtype)
+            outs.append((v, c))
+        else:
+            dev._host_reads(v)
+            c = dev._alias(v)  # zero copy; in-place writes land in device memory
+        if write:
+            stand_in[id(c)] = v
+        return c
+
+    cargs = list(args)
+    ckwargs = dict(kwargs)
+    for i, a in enumerate(schema.arguments):
+        write = a.alias_info is not None and a.alias_info.is_write
+        if i < len(cargs) and not a.kwarg_only:
+            cargs[i] = tree_map(lambda v, w=write, o=a.is_out: to_cpu(v, w, o), cargs[i])
+        elif a.name in ckwargs:
+            ckwargs[a.name] = tree_map(
+                lambda v, w=write, o=a.is_out: to_cpu(v, w, o), ckwargs[a.name]
+            )
+    for k, v in list(ckwargs.items()):  # device=spyre of factories not in the schema walk
+        if isinstance(v, torch.device) and v.type == dev.NAME:
+            ckwargs[k] = torch.device("cpu")
+    res = op(*cargs, **ckwargs)
+    for v, c in outs:
+        if tuple(v.shape) != tuple(c.shape):
+            v.resize_(c.shape)
+        dev._alias(v).copy_(c)
+        dev._host_writes(v)
+    for v in stand_in.values():
+        if all(v is not o for o, _ in outs):
+            dev._host_writes(v)
+
+    def back(r: Any) -> Any:
+        if isinstance(r, torch.Tensor):
+            s = stand_in.get(id(r))
+            if s is not None:
+                return s
+            return dev._new_from_cpu(r)
+        return r
+
+    return tree_map(back, res)
