@@ -58,6 +58,10 @@ def card_dtype(dt: torch.dtype, what: str = "a tensor") -> str:
 Rule = Callable[..., Any]
 RULES: dict[Any, Rule] = {}
 
+#: TEST-ONLY switch: the name of a unary elementwise fn (e.g. "tanh") whose rule then computes
+#: ``1.01 * fn(x)`` -- a planted lowering bug, to show that the differential tests catch one
+_PLANTED_BUG: str | None = None
+
 
 def rule(*ops: Any) -> Callable[[Rule], Rule]:
     def deco(fn: Rule) -> Rule:
@@ -311,7 +315,10 @@ for _op, _fn in _UNARY.items():
             return _ew(b, node, "not", _convert(b, x, "bool"), compute="bool")
         shape, out_dt = _out(node)
         cdt = out_dt if out_dt != "bool" else "float32"
-        return _ew(b, node, _fn, _convert(b, x, cdt), compute=cdt)
+        r = _ew(b, node, _fn, _convert(b, x, cdt), compute=cdt)
+        if _PLANTED_BUG == _fn:
+            r = b.elementwise("mul", [r, Lit(1.01, r.dtype)], r.shape, r.dtype)
+        return r
 
     RULES[_op] = _u
 
