@@ -404,6 +404,18 @@ def _round(b: Builder, node: torch.fx.Node, x: Var) -> Var:
     return b.elementwise("round", [x], shape, dt, param=1)  # half to even, as torch rounds
 
 
+@rule(aten.tril.default, aten.triu.default)
+def _tril(b: Builder, node: torch.fx.Node, x: Var, diagonal: int = 0) -> Var:
+    """Keep ``col - row <= diagonal`` (tril) or ``>= diagonal`` (triu) of the last two dims."""
+    shape, dt = _out(node)
+    r, c = shape[-2], shape[-1]
+    d = np.arange(c)[None, :] - np.arange(r)[:, None]
+    keep = d <= diagonal if node.target is aten.tril.default else d >= diagonal
+    mask = _bcast(b, b.const(keep, "bool"), shape)
+    zero = Lit(False if dt == "bool" else 0, dt)
+    return b.elementwise("select_n", [mask, zero, x], shape, dt)
+
+
 @rule(aten.pow.Tensor_Scalar)
 def _pow(b: Builder, node: torch.fx.Node, x: Var, e: Any) -> Var:
     shape, out_dt = _out(node)

@@ -173,6 +173,8 @@ LAYOUT = {
     "index_select": lambda x: torch.index_select(x, 0, torch.tensor([4, 0, 2])),
     "full": lambda x: x + torch.full((5, 65), 0.25),
     "arange": lambda x: x + torch.arange(65),
+    "tril": lambda x: torch.tril(x, diagonal=3),
+    "triu": lambda x: torch.triu(x, diagonal=-1) * 2,
 }
 
 
@@ -340,3 +342,24 @@ def test_numpy_round_trip_bf16():
     got = tb.from_host(tb.to_host(x), x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, x)
     assert np.asarray(tb.to_host(torch.arange(3))).dtype == np.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_transformer_models_on_the_spyre_device(name, dtype):
+    import torch_bridge.device as dev
+
+    torch.manual_seed(0)
+    model = _models()[name]().eval().to(dtype)
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)[0]
+        dev.reset_stats()
+        model.to("spyre")
+        got = model(ids.to("spyre"))[0]
+    assert got.device.type == "spyre"
+    assert dev.fallback_stats() == {}, dev.fallback_stats()
+    assert dev.eager_stats()["cpu_fallbacks"] == 0
+    scale = float(want.abs().max())
+    rt, at = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(got.cpu().float(), want.float(), rtol=rt, atol=at * max(scale, 1.0))
