@@ -280,7 +280,8 @@ def _dim(d: int, rank: int) -> int:
 
 
 def _dims(ds: Any, rank: int) -> tuple[int, ...]:
-    if ds is None:
+    """Reduction dims; None or an empty list means all of them, as in ATen."""
+    if ds is None or (isinstance(ds, list | tuple) and len(ds) == 0):
         return tuple(range(rank))
     if isinstance(ds, int):
         ds = [ds]
@@ -333,8 +334,6 @@ _BINARY = {
     aten.div.Scalar: "div",
     aten.maximum.default: "max",
     aten.minimum.default: "min",
-    aten.remainder.Tensor: "rem",
-    aten.remainder.Scalar: "rem",
     aten.pow.Tensor_Tensor: "pow",
     aten.logical_and.default: "and",
     aten.logical_or.default: "or",
@@ -388,6 +387,26 @@ def _to_bool(b: Builder, v: Any) -> Any:
 def _ew_raw(b: Builder, fn: str, xs: list[Any], shape: tuple[int, ...], dt: str) -> Var:
     ops = [_operand(b, x, shape, dt) for x in xs]
     return b.elementwise(fn, ops, shape, dt)
+
+
+@rule(aten.remainder.Tensor, aten.remainder.Scalar)
+def _remainder(b: Builder, node: torch.fx.Node, x: Any, y: Any) -> Var:
+    """torch's remainder takes the divisor's sign (Python ``%``), not the dividend's (fmod)."""
+    shape, dt = _out(node)
+    cdt = _promote(x, y)
+    r = _ew_raw(b, "rem", [x, y], shape, cdt)
+    yv = _operand(b, y, shape, cdt)
+    zero = Lit(0, cdt)
+    rneg = b.elementwise("lt", [r, zero], shape, "bool")
+    yneg = b.elementwise("lt", [yv, zero], shape, "bool") if isinstance(yv, Var) else None
+    nz = b.elementwise("ne", [r, zero], shape, "bool")
+    if yneg is None:  # a scalar divisor: its sign is known now
+        fix = rneg if float(y) > 0 else b.elementwise("not", [rneg], shape, "bool")
+    else:
+        fix = b.elementwise("xor", [rneg, yneg], shape, "bool")
+    fix = b.elementwise("and", [fix, nz], shape, "bool")
+    shifted = b.elementwise("add", [r, yv], shape, cdt)
+    return _convert(b, b.elementwise("select_n", [fix, r, shifted], shape, cdt), dt)
 
 
 @rule(aten.rsub.Scalar, aten.rsub.Tensor)

@@ -380,8 +380,14 @@ def bench_torch(reps: int = 3) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "coverage":
+        from .coverage import main_coverage
+
+        return main_coverage(argv[1:])
     p = argparse.ArgumentParser(prog="spyre-jax", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("coverage", help="op coverage: coverage torch|jax [--json] [--limit N]")
     pd = sub.add_parser("demo", help="run the transformer-block demo on the simulated card")
     pd.add_argument(
         "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"

@@ -363,3 +363,19 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
     scale = float(want.abs().max())
     rt, at = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
     torch.testing.assert_close(got.cpu().float(), want.float(), rtol=rt, atol=at * max(scale, 1.0))
+
+
+# regressions found by `spyre-jax coverage torch` (OpInfo)
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("remainder", lambda a, b: torch.remainder(a * 5, b)),
+        ("mod_pos", lambda a, b: a * 5 % 1.5),
+        ("mod_neg", lambda a, b: a * 5 % -1.5),
+        ("sum_all", lambda a, b: a.sum()),  # aten.sum.dim_IntList(x, []) reduces everything
+        ("mean_all", lambda a, b: (a * b).mean()),
+        ("rank0_out", lambda a, b: (a - b).abs().amax()),
+    ],
+)
+def test_opinfo_regressions(name, fn):
+    _check(fn, _rand((5, 65), torch.float32, 20), _rand((5, 65), torch.float32, 21) + 0.1)

@@ -13,6 +13,7 @@ node's source line.
 from __future__ import annotations
 
 import collections
+import math
 import functools
 import threading
 import warnings
@@ -231,6 +232,9 @@ def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
     want = getattr(meta, "dtype", None)
     if want is not None and t.dtype != want:
         t = t.to(want)
+    shape = getattr(meta, "shape", None)
+    if shape is not None and tuple(t.shape) != tuple(shape) and t.numel() == math.prod(shape):
+        t = t.reshape(tuple(shape))  # rank-0 results travel as one-element sticks
     return t
 
 

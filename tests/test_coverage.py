@@ -1,0 +1,160 @@
+"""``spyre_jax.coverage``: PyTorch's OpInfo samples and our JAX table through the card."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from spyre_jax import coverage as cov
+
+
+@pytest.fixture(scope="module")
+def torch_result() -> dict:
+    return cov.coverage_torch(ops=["add", "mul", "tanh", "sort"], limit_samples=2)
+
+
+@pytest.fixture(scope="module")
+def jax_result() -> dict:
+    return cov.coverage_jax(limit=15)
+
+
+def _check_structure(res: dict, paths: list[str]) -> None:
+    assert set(res["totals"]) == set(paths)
+    assert set(res["paths"]) == set(paths)
+    for p in paths:
+        t = res["totals"][p]
+        for k in (*cov.STATUSES, "samples_tried", "samples_passed", "ops_tried", "ops_passed"):
+            assert isinstance(t[k], int) and t[k] >= 0, (p, k)
+        assert t["samples_tried"] == sum(t[s] for s in cov.STATUSES if s != "skipped")
+        assert t["ops_passed"] <= t["ops_tried"] <= len(res["ops"])
+        assert t["samples_passed"] == sum(rec[p]["passed"] for rec in res["ops"].values())
+    for rec in res["ops"].values():
+        for p in paths:
+            assert set(rec[p]) == set(cov.STATUSES)
+            assert all(isinstance(n, str) for n in rec["notes"][p])
+    json.loads(json.dumps(res))  # JSON-ready
+
+
+def test_torch_structure_and_statuses(torch_result):
+    res = torch_result
+    assert res["frontend"] == "torch"
+    _check_structure(res, ["backend", "device"])
+    assert {"add", "mul", "tanh", "sort"} <= set(res["ops"])
+    for name in ("add", "mul", "tanh"):
+        assert res["ops"][name]["backend"]["passed"] > 0, res["ops"][name]
+    sort = res["ops"]["sort"]["backend"]
+    assert sort["unsupported"] > 0 and sort["error"] == 0 and sort["passed"] == 0, sort
+    assert any("sort" in k for k in res["unsupported"]["backend"])
+    dev = res["paths"]["device"]
+    if dev["available"]:  # the spyre device: the same ops run eagerly on spyre tensors
+        assert res["ops"]["tanh"]["device"]["passed"] > 0, res["ops"]["tanh"]
+        assert res["ops"]["sort"]["device"]["unsupported"] > 0  # a CPU fallback
+    else:
+        assert res["totals"]["device"]["samples_tried"] == 0
+
+
+def test_torch_skips_nondeterministic_and_unknown_path():
+    res = cov.coverage_torch(ops=["bernoulli"], limit_samples=1, paths=("backend",))
+    rec = res["ops"]["bernoulli"]["backend"]
+    assert rec["skipped"] >= 1 and rec["passed"] == rec["error"] == 0
+    with pytest.raises(ValueError):
+        cov.coverage_torch(ops=["add"], paths=("gpu",))
+
+
+def test_jax_structure_and_passes(jax_result):
+    res = jax_result
+    assert res["frontend"] == "jax"
+    _check_structure(res, ["jit"])
+    assert len(res["ops"]) == 15
+    t = res["totals"]["jit"]
+    assert t["samples_tried"] > 0
+    assert t["passed"] >= 0.6 * t["samples_tried"], t
+    assert t["error"] == 0 and t["wrong"] == 0, res["errors"]
+    assert res["ops"]["jnp.exp"]["jit"]["passed"] == 6  # 3 shapes x (float32, float16)
+
+
+def test_jax_table_breadth():
+    names = [c.name for c in cov.jax_cases()]
+    assert len(names) >= 120 and len(set(names)) == len(names)
+    must = ["jnp.matmul", "jnp.einsum(ij,jk)", "jax.nn.softmax", "lax.dynamic_slice"]
+    must += ["jnp.take_along_axis", "jnp.cumsum", "jnp.pad", "jax.nn.one_hot"]
+    assert set(must) <= set(names)
+
+
+def test_jax_unsupported_is_not_error():
+    res = cov.coverage_jax(names=["jnp.sort"])
+    t = res["totals"]["jit"]
+    assert t["unsupported"] > 0 and t["error"] == 0, res["ops"]["jnp.sort"]
+
+
+def test_format_table(torch_result, jax_result):
+    text = cov.format_table(torch_result)
+    for name in ("add", "mul", "tanh", "sort", "backend", "device"):
+        assert name in text
+    assert "samples passed" in text
+    text = cov.format_table(jax_result, notes=True)
+    assert "jnp.exp" in text and "jit" in text
+
+
+def test_close_tolerances():
+    w = np.linspace(-3, 3, 50, dtype=np.float32)
+    assert cov._close_np(w + 1e-5, w) is None
+    assert cov._close_np(w + 1e-2, w) is not None
+    assert cov._close_np((w + 1e-2).astype(np.float16), w.astype(np.float16)) is None
+    assert cov._close_np(w.reshape(5, 10), w) is not None
+    i = np.arange(10, dtype=np.int32)
+    assert cov._close_np(i, i) is None and cov._close_np(i + 1, i) is not None
+    nan = np.array([np.nan, 1.0], np.float32)
+    assert cov._close_np(nan, nan) is None
+    assert cov._close_np(np.array([0.0, 1.0], np.float32), nan) is not None
+
+
+def test_classify_unwraps_dynamo():
+    import torch._dynamo.exc
+
+    from lowering.errors import UnsupportedPrimitiveError
+
+    inner = UnsupportedPrimitiveError("ATen", "aten.sort.default", "x = sort(y)", "")
+    try:
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, inner, None)
+    except Exception as e:
+        assert cov._classify(e)[:2] == ("unsupported", "aten.sort.default")
+    dtype_err = TypeError(
+        "spyre: a tensor has dtype torch.float64, which the card does not support"
+    )
+    assert cov._classify(dtype_err)[:2] == ("unsupported", "dtype float64")
+    assert cov._classify(RuntimeError("boom"))[:2] == ("error", "RuntimeError")
+
+
+def test_main_coverage_json(capsys):
+    assert cov.main_coverage(["jax", "--json", "--limit", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["frontend"] == "jax" and len(res["ops"]) == 2
+
+
+def test_device_unavailable_is_skipped(monkeypatch):
+    monkeypatch.setattr(cov, "_device_status", lambda: (False, "no spyre device here"))
+    res = cov.coverage_torch(ops=["tanh"], limit_samples=1)
+    assert res["paths"]["device"] == {
+        "status": "unavailable",
+        "available": False,
+        "reason": "no spyre device here",
+    }
+    assert res["totals"]["device"]["samples_tried"] == 0
+    assert res["totals"]["backend"]["samples_passed"] > 0
+    assert "device: unavailable" in cov.format_table(res)
+
+
+def test_isolated_worker_survives_a_crash(monkeypatch):
+    # the worker segfaults on tanh's backend run: that sample is an error, the run goes on
+    monkeypatch.setenv("SPYRE_COVERAGE_TEST_CRASH", "tanh:backend")
+    res = cov.coverage_torch(
+        ops=["tanh", "sigmoid"], limit_samples=1, paths=("backend",), isolate=True
+    )
+    tanh = res["ops"]["tanh"]
+    assert tanh["backend"]["error"] == 1, tanh
+    assert any("SIGSEGV" in n for n in tanh["notes"]["backend"]), tanh
+    assert res["ops"]["sigmoid"]["backend"]["passed"] > 0, res["ops"]["sigmoid"]
+    assert res["config"]["isolated"] and not res["truncated"]
