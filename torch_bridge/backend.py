@@ -13,8 +13,8 @@ node's source line.
 from __future__ import annotations
 
 import collections
-import math
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
