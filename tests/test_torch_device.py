@@ -428,3 +428,14 @@ def test_torch_compile_on_spyre_inputs():
         got = torch.compile(m, backend="spyre", dynamic=False)(x.to("spyre"))
     assert got.device.type == "spyre"  # stayed on the card: no host round trip
     torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_complex_on_spyre_is_a_type_error_not_a_crash():
+    # regression (found by `spyre-jax coverage torch`): fft.hfft on a spyre tensor made a
+    # complex PrivateUse1 storage, which crashed the process
+    x = torch.randn(8).to("spyre")
+    with pytest.raises(TypeError, match="complex64"):
+        torch.fft.hfft(x)
+    with pytest.raises(TypeError, match="not supported on the card"):
+        torch.randn(4, dtype=torch.complex64).to("spyre")
+    assert (x * 2).cpu().shape == (8,)  # the device is still usable

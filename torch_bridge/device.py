@@ -202,6 +202,12 @@ def _new_tensor(
 ) -> torch.Tensor:
     """A new spyre tensor with fresh (zero-filled) storage."""
     dtype = dtype or torch.get_default_dtype()
+    if dtype.is_complex:
+        # the card has no complex numbers (and a complex PrivateUse1 storage crashes torch)
+        raise TypeError(
+            f"spyre: dtype {dtype} is not supported on the card; supported dtypes: float16, "
+            "bfloat16, float32, int32 and int64 (narrowed), bool"
+        )
     size = tuple(int(s) for s in size)
     stride = tuple(int(s) for s in stride) if stride is not None else _contig_strides(size)
     t = torch._C._acc.create_empty_tensor([0], dtype)
