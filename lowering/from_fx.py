@@ -313,6 +313,8 @@ for _op, _fn in _UNARY.items():
 
     def _u(b: Builder, node: torch.fx.Node, x: Var, _fn: str = _fn) -> Var:
         if _fn == "not":
+            if _out(node)[1] == "int32":  # bitwise not on integers
+                return _ew(b, node, "not", x, compute="int32")
             return _ew(b, node, "not", _convert(b, x, "bool"), compute="bool")
         shape, out_dt = _out(node)
         cdt = out_dt if out_dt != "bool" else "float32"
@@ -340,6 +342,10 @@ _BINARY = {
     aten.logical_xor.default: "xor",
     aten.bitwise_and.Tensor: "and",
     aten.bitwise_or.Tensor: "or",
+    aten.bitwise_and.Scalar: "and",
+    aten.bitwise_or.Scalar: "or",
+    aten.bitwise_xor.Tensor: "xor",
+    aten.bitwise_xor.Scalar: "xor",
     aten.eq.Tensor: "eq",
     aten.eq.Scalar: "eq",
     aten.ne.Tensor: "ne",
@@ -368,6 +374,9 @@ for _op, _fn in _BINARY.items():
         if rounding_mode is not None:
             raise LoweringError(f"spyre: div with rounding_mode={rounding_mode!r}")
         if _fn in ("and", "or", "xor"):
+            shape, out_dt = _out(node)
+            if out_dt == "int32":  # bitwise on integers
+                return _ew(b, node, _fn, x, y, compute="int32")
             return _ew(b, node, _fn, *(_to_bool(b, v) for v in (x, y)), compute="bool")
         if alpha is not None and alpha != 1:
             shape, _ = _out(node)

@@ -375,6 +375,7 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
         ("sum_all", lambda a, b: a.sum()),  # aten.sum.dim_IntList(x, []) reduces everything
         ("mean_all", lambda a, b: (a * b).mean()),
         ("rank0_out", lambda a, b: (a - b).abs().amax()),
+        ("bitwise_int", lambda a, b: (~(a * 9).int() & (b * 9).int()) | 3),
     ],
 )
 def test_opinfo_regressions(name, fn):
