@@ -164,11 +164,14 @@ class DeviceMemory:
         with self._lock:
             self._free_locked(addr)
 
-    def store(self, addr: int, data: object) -> None:
-        """Attach ``data`` (a jax array with the region's contents) to the live region ``addr``."""
+    def store(self, addr: int, data: object, nbytes: int | None = None) -> None:
+        """Attach ``data`` (a jax array with the region's contents) to the live region ``addr``.
+
+        ``nbytes``: the payload's size when the caller knows it (saves asking the array)."""
         with self._lock:
             size = self._require_live(addr, "store to")
-            nbytes = getattr(data, "nbytes", None)
+            if nbytes is None:
+                nbytes = getattr(data, "nbytes", None)
             if isinstance(nbytes, int) and nbytes > size:
                 raise ValueError(
                     f"spyre device memory: {nbytes}-byte payload does not fit the {size}-byte"

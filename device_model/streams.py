@@ -250,19 +250,27 @@ class Queues:
         nbytes: int = 0,
         args: tuple[tuple[str, Any], ...] = (),
         detail: Any = None,
+        checked: bool = False,
     ) -> Token:
-        """Submit one step; returns the stream's new token. Raises before changing anything."""
+        """Submit one step; returns the stream's new token. Raises before changing anything.
+
+        ``checked``: the caller ran :meth:`check_reads` for these reads just before (a launch
+        refuses a race before allocating), so the check is not repeated."""
         if kind not in PIPELINE_OF:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
             st = self.state(stream)
-            waits = tuple(waits)
             tok = st.token
-            clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
-            if reads:
+            if waits:
+                waits = tuple(waits)
+                clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
+                start = max(tok.time, self.host_time, *(w.time for w in waits))
+            else:
+                clock = _merge(tok.clock, self.host_clock)
+                start = max(tok.time, self.host_time)
+            if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)
             pipe = PIPELINE_OF[kind]
-            start = max(tok.time, self.host_time, *(w.time for w in waits))
             if pipe is not None:
                 start = max(start, self.pipe_free[pipe])
             end = start + duration

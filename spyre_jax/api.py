@@ -175,6 +175,7 @@ class Compiled:
                 writes=out_addrs,
                 duration=self._kernel_s,
                 detail=self._cost,
+                checked=True,  # check_reads above saw every device-resident argument
             )
         finally:
             for t in temps:

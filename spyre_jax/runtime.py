@@ -236,7 +236,7 @@ def _free_quiet(rt: Runtime, addr: int) -> None:
 
 
 def new_array(rt: Runtime, addr: int, layout: TensorLayout, buf: jax.Array) -> Array:
-    rt.memory.store(addr, buf)
+    rt.memory.store(addr, buf, layout.nbytes)
     return Array(rt, addr, layout)
 
 
