@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 
 from . import ops
-from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of
+from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of, resolve_aliases
 from .layout import np_dtype
 
 __all__ = ["build_runner", "run_kernel", "run_stage", "to_blocks", "from_blocks", "UNROLL_STEPS"]
@@ -515,21 +515,10 @@ def run_kernel(kernel: Kernel, args: list[Any]) -> list[Any]:
     decls = {t.name: t for t in kernel.tensors}
     env: dict[str, Any] = dict(zip(kernel.inputs, args, strict=True))
 
-    def resolve() -> None:
-        # a view and its base are the same buffer: whichever exists gives the other
-        changed = True
-        while changed:
-            changed = False
-            for view, base in kernel.aliases:
-                for have, want in ((base, view), (view, base)):
-                    if have in env and want not in env:
-                        env[want] = env[have].reshape(decls[want].layout.device_shape)
-                        changed = True
-
-    resolve()
+    resolve_aliases(kernel, env)
     for st in kernel.stages:
         env[st.output.tensor] = run_stage(st, env, decls, kernel.num_cores, kernel.dl16)
-        resolve()
+        resolve_aliases(kernel, env)
     return [env[o] for o in kernel.outputs]
 
 

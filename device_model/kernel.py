@@ -40,6 +40,7 @@ __all__ = [
     "check_kernel",
     "format_kernel",
     "blocks_of",
+    "resolve_aliases",
 ]
 
 
@@ -157,6 +158,20 @@ class Kernel:
             if t.name == name:
                 return t
         raise KeyError(name)
+
+
+def resolve_aliases(k: Kernel, env: dict[str, Any]) -> None:
+    """Fill ``env`` (tensor name -> device buffer) in place with every view or base of a tensor
+    already there: a view and its base are the same buffer, reshaped (NumPy or JAX arrays)."""
+    decls = {t.name: t for t in k.tensors}
+    changed = True
+    while changed:
+        changed = False
+        for view, base in k.aliases:
+            for have, want in ((base, view), (view, base)):
+                if have in env and want not in env:
+                    env[want] = env[have].reshape(decls[want].layout.device_shape)
+                    changed = True
 
 
 # --------------------------------------------------------------------------------------------

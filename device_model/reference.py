@@ -34,7 +34,16 @@ from typing import Any
 import numpy as np
 
 from . import ops
-from .kernel import Kernel, Operand, SpBuf, Stage, TensorDecl, blocks_of, check_kernel
+from .kernel import (
+    Kernel,
+    Operand,
+    SpBuf,
+    Stage,
+    TensorDecl,
+    blocks_of,
+    check_kernel,
+    resolve_aliases,
+)
 from .layout import DTYPES, np_dtype
 
 __all__ = ["run_kernel_reference", "reference_runner", "run_stage_reference", "Scratchpad"]
@@ -291,22 +300,11 @@ def run_kernel_reference(kernel: Kernel, args: list[np.ndarray]) -> list[np.ndar
             )
         mem[name] = arr
 
-    def resolve() -> None:
-        # a view and its base are the same buffer: whichever exists gives the other
-        changed = True
-        while changed:
-            changed = False
-            for view, base in kernel.aliases:
-                for have, want in ((base, view), (view, base)):
-                    if have in mem and want not in mem:
-                        mem[want] = mem[have].reshape(decls[want].layout.device_shape)
-                        changed = True
-
-    resolve()
+    resolve_aliases(kernel, mem)
     with np.errstate(all="ignore"):  # NaN from uninitialized scratchpad is expected
         for st in kernel.stages:
             run_stage_reference(st, mem, decls, kernel.num_cores, getattr(kernel, "dl16", False))
-            resolve()
+            resolve_aliases(kernel, mem)
     return [np.array(mem[o], copy=True) for o in kernel.outputs]
 
 

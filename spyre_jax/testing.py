@@ -278,6 +278,21 @@ def _norm_num(m: re.Match) -> str:
 # the tool
 
 
+def _failed_row(a: str, b: str, note: str) -> dict[str, Any]:
+    """A table row for a pair that could not be compared (a path failed, outputs differ)."""
+    nan = float("nan")
+    return {
+        "a": a,
+        "b": b,
+        "output": "-",
+        "max_abs": nan,
+        "max_rel": nan,
+        "where": "-",
+        "ok": False,
+        "note": note,
+    }
+
+
 def assert_frontends_agree(
     jax_fn: Any,
     torch_fn: Any,
@@ -313,33 +328,11 @@ def assert_frontends_agree(
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             if a in errs or b in errs:
-                report.rows.append(
-                    {
-                        "a": a,
-                        "b": b,
-                        "output": "-",
-                        "max_abs": float("nan"),
-                        "max_rel": float("nan"),
-                        "where": "-",
-                        "ok": False,
-                        "note": "failed: " + (errs.get(a) or errs.get(b)),
-                    }
-                )
+                report.rows.append(_failed_row(a, b, "failed: " + (errs.get(a) or errs.get(b))))
                 continue
             oa, ob = outs[a], outs[b]
             if len(oa) != len(ob):
-                report.rows.append(
-                    {
-                        "a": a,
-                        "b": b,
-                        "output": "-",
-                        "max_abs": float("nan"),
-                        "max_rel": float("nan"),
-                        "where": "-",
-                        "ok": False,
-                        "note": f"{len(oa)} vs {len(ob)} outputs",
-                    }
-                )
+                report.rows.append(_failed_row(a, b, f"{len(oa)} vs {len(ob)} outputs"))
                 continue
             for k, (xa, xb) in enumerate(zip(oa, ob, strict=True)):
                 # the reference of a pair is its first path (the CPU ones come first)
