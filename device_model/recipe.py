@@ -1,7 +1,7 @@
 """The recipe: what one launch of a compiled function submits to the card, as typed steps.
 
 A :class:`Recipe` is frozen and printable. It is the template of a launch; each launch
-instantiates it on the current stream (``device_model.streams.Queues.submit``):
+is executed by ``device_model.runtime.launch`` on the current stream:
 
 * ``copy_in``: host to device over PCIe, one per argument that is a host array (arguments
   already in device memory skip it);
@@ -29,13 +29,15 @@ def copy_seconds(nbytes: int, card: CardSpec) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RecipeStep:
-    """One typed step of a recipe: kind, what it names, the bytes it moves, its simulated time."""
+    """One typed step of a recipe: kind, what it names, the bytes it moves, its simulated time,
+    and ``index``: the argument (``copy_in``) or result (``copy_out``) it moves."""
 
     kind: str
     name: str
     nbytes: int = 0
     seconds: float = 0.0
     note: str = ""
+    index: int = -1
 
     def __str__(self) -> str:
         size = f" {format_bytes(self.nbytes)}" if self.nbytes else ""
@@ -72,6 +74,7 @@ class Recipe:
                 lay.nbytes,
                 copy_seconds(lay.nbytes, card),
                 "only for a host array",
+                i,
             )
             for i, lay in enumerate(in_layouts)
         ]
@@ -90,6 +93,7 @@ class Recipe:
                 lay.nbytes,
                 copy_seconds(lay.nbytes, card),
                 "when the host reads it",
+                i,
             )
             for i, lay in enumerate(out_layouts)
         ]

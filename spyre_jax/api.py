@@ -12,27 +12,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from device_model.execute import build_runner
 from device_model.kernel import Kernel, format_kernel
-from device_model.layout import layout_for
-from device_model.memory import DeviceOOMError
-from device_model.recipe import Recipe
+from device_model.runtime import Executable, check_fits, launch, runtime
 from device_model.timing import kernel_cost
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
-from lowering.pipeline import compile_graph as compile_graph_ir
+from lowering.pipeline import compile_graph
 
-from .runtime import (
-    Array,
-    current_stream_id,
-    device_put,
-    host_dtype,
-    new_array,
-    runtime,
-    to_device_buffer,
-)
+from .runtime import Array, host_dtype
 
-__all__ = ["jit", "Jitted", "Lowered", "Compiled", "compile_graph"]
+__all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -42,9 +31,8 @@ def _is_array_leaf(x: Any) -> bool:
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
     if isinstance(x, Array):
-        if not x._fin.alive:
-            x._buffer()  # raises the RuntimeError saying it was deleted
-        lay = x._layout
+        x._check_alive()  # raises the RuntimeError saying it was deleted
+        lay = x.layout
         return lay.shape, lay.dtype
     if isinstance(x, bool):
         return (), "bool"
@@ -68,50 +56,21 @@ _INT64_WARNING = "spyre: int64 is narrowed to int32 on the card"
 
 
 class Compiled:
-    """A function compiled for the card: a kernel, its jitted card program and its figures."""
+    """A function compiled for the card: its graph, its kernel, the loaded
+    :class:`~device_model.runtime.Executable` and its figures."""
 
     def __init__(self, graph: Graph, kernel: Kernel, out_tree: Any, compile_s: float):
         self.graph = graph
         self.kernel = kernel
         self._out_tree = out_tree
-        self._runner = build_runner(kernel)
-        rt = runtime()
-        self._rt = rt
         self.compile_seconds = compile_s
-        self._cost = kernel_cost(kernel, rt.card)
-        # constants live in device memory for the life of the compiled function
-        decls = {t.name: t for t in kernel.tensors}
-        self._consts: list[Array] = []
-        n_in = len(graph.inputs)
-        # the optimized graph's constants (dead ones are gone), by the kernel's names
-        for name, arr in kernel.consts:
-            lay = decls[name].layout
-            with rt.lock:
-                addr = rt.memory.alloc(lay.nbytes, tag="constant")
-                self._consts.append(new_array(rt, addr, lay, to_device_buffer(arr, lay)))
-        self._out_layouts = [decls[o].layout for o in kernel.outputs]
-        self._temp_bytes = sum(t.layout.nbytes for t in kernel.tensors if t.role == "temp")
-        # outputs, then (if any) one workspace for the intermediates
-        self._out_sizes = [lay.nbytes for lay in self._out_layouts] + (
-            [self._temp_bytes] if self._temp_bytes else []
-        )
-        self._nout = len(self._out_layouts)
-        self._const_addrs = tuple(c._addr for c in self._consts)
-        self._kernel_s = self._cost["sim_time_us"] * 1e-6
-        self._step_name = f"run {kernel.name}"
-        self.recipe = Recipe.for_kernel(
-            kernel.name,
-            [decls[n].layout for n in kernel.inputs[:n_in]],
-            self._out_layouts,
-            self._kernel_s,
-            len(self._consts),
-            rt.card,
-        )
+        self.executable = Executable(kernel, runtime())
+        self.recipe = self.executable.recipe
 
     def cost_analysis(self) -> dict[str, Any]:
         """Figures of the schedule: flops, device_bytes, scratchpad_peak_bytes, padding_bytes,
         cores_used, sim_time_us (simulated time on the card), and a per-stage breakdown."""
-        return dict(self._cost)
+        return self.executable.cost_analysis()
 
     def as_text(self) -> str:
         """The schedule, readable."""
@@ -128,59 +87,19 @@ class Compiled:
         return list(jax.tree_util.tree_leaves(self._run(list(leaves))))
 
     def _run(self, leaves: list[Any]) -> Any:
-        """One launch: the recipe's copy-ins for host arguments, the kernel step, on the current
-        stream. Refused (RaceError, StreamError, DeviceOOMError) before anything changes."""
-        rt = self._rt
-        q = rt.queues
-        sid = current_stream_id()
-        # a race on a device-resident argument is refused before anything is allocated
-        q.check_reads(
-            sid, "run_kernel", self._step_name, [x._addr for x in leaves if isinstance(x, Array)]
-        )
-        bufs, temps, reads = [], [], []
-        try:
-            for x in leaves:
-                if isinstance(x, Array) and x._rt is not rt:
-                    raise ValueError(
-                        "spyre: an argument lives on a previous card (before set_card); "
-                        "copy it with spyre_jax.device_put(np.asarray(a))"
-                    )
-                if not isinstance(x, Array):
-                    if _is_int64(x):  # the caller was warned once already (``Jitted._split``)
-                        x = np.asarray(x).astype(np.int32)
-                    x = device_put(x)  # host values are copied in, freed after the call
-                    temps.append(x)
-                bufs.append(x._buffer())
-                reads.append(x._addr)
-            with rt.lock:
-                addrs = rt.memory.allocate_many(self._out_sizes, tag="launch")
-            try:
-                outs = self._runner(*bufs, *[c._buffer() for c in self._consts])
-            except BaseException:
-                for a in addrs:
-                    rt.memory.free(a)
-                raise
-            out_addrs = addrs[: self._nout]
-            if len(addrs) > self._nout:
-                rt.memory.free(addrs[-1])  # the workspace of intermediates
-            arrays = [
-                new_array(rt, a, lay, o)
-                for a, lay, o in zip(out_addrs, self._out_layouts, outs, strict=True)
-            ]
-            q.submit(
-                sid,
-                "run_kernel",
-                self._step_name,
-                reads=(*reads, *self._const_addrs),
-                writes=out_addrs,
-                duration=self._kernel_s,
-                detail=self._cost,
-                checked=True,  # check_reads above saw every device-resident argument
-            )
-        finally:
-            for t in temps:
-                t.delete()
-        return jax.tree_util.tree_unflatten(self._out_tree, arrays)
+        """One launch (``device_model.runtime.launch``) on the current stream. Refused
+        (RaceError, StreamError, DeviceOOMError) before anything changes."""
+        args: list[Any] = []
+        for x in leaves:
+            if isinstance(x, Array):
+                x._check_alive()
+                args.append(x._buf)
+            elif _is_int64(x):  # the caller was warned once already (``Jitted._split``)
+                args.append(np.asarray(x).astype(np.int32))
+            else:
+                args.append(x)
+        bufs = launch(self.executable, args)
+        return jax.tree_util.tree_unflatten(self._out_tree, [Array(b) for b in bufs])
 
 
 class Lowered:
@@ -282,7 +201,7 @@ class Jitted:
         name = getattr(self.fun, "__name__", "fn")
         graph = from_jaxpr(closed, name=name if name.isidentifier() else "fn")
         _check_fits(graph)
-        kernel = compile_graph_ir(graph, runtime().card)
+        kernel = compile_graph(graph, runtime().card)
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -300,15 +219,8 @@ class Jitted:
 
 def _check_fits(graph: Graph) -> None:
     """Raise DeviceOOMError before scheduling when one tensor cannot fit device memory."""
-    mem = runtime().memory
-    st = mem.stats()
     values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
-    for v in values:
-        need = layout_for(v.shape, v.dtype).nbytes
-        if need > st["bytes_limit"]:
-            raise DeviceOOMError(
-                need, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"]
-            )
+    check_fits((v.shape, v.dtype) for v in values)
 
 
 def jit(
@@ -331,17 +243,3 @@ def jit(
     if fun is None:
         return lambda f: Jitted(f, static_argnums, static_argnames)
     return Jitted(fun, static_argnums, static_argnames)
-
-
-def compile_graph(graph: Graph) -> Compiled:
-    """Compile a graph-IR function for the current card (the launch path other frontends share).
-
-    ``lowering.from_fx`` graphs from the PyTorch bridge come here. The result's
-    :meth:`Compiled.call_flat` takes one value per graph input (host arrays are copied in, device
-    :class:`Array` s are used in place) and returns a list of :class:`Array` s.
-    """
-    t0 = time.perf_counter()
-    _check_fits(graph)
-    kernel = compile_graph_ir(graph, runtime().card)
-    out_tree = jax.tree_util.tree_structure([0] * len(graph.outputs))
-    return Compiled(graph, kernel, out_tree, time.perf_counter() - t0)

@@ -24,10 +24,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from device_model.runtime import runtime
 from device_model.streams import Queues, StepRecord
 from device_model.trace import chrome_trace, format_summary, summary
-
-from .runtime import runtime
 
 __all__ = ["profile", "Profile"]
 

@@ -1,21 +1,22 @@
-"""The simulated card's runtime state: its description, device memory, and device arrays."""
+"""Device arrays for JAX users: ``spyre_jax.Array``, ``device_put``, ``devices``, ``set_card``.
+
+A thin layer over ``device_model.runtime``, which owns the card's memory, streams and launches:
+an :class:`Array` wraps one :class:`~device_model.runtime.DeviceBuffer`.
+"""
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from device_model.card import DEFAULT_CARD, CardSpec
+from device_model import runtime as card_runtime
+from device_model.card import CardSpec
 from device_model.layout import SUPPORTED_DTYPES, TensorLayout, layout_for, np_dtype
-from device_model.memory import DeviceMemory, DeviceOOMError
-from device_model.recipe import copy_seconds
-from device_model.streams import DEFAULT_STREAM, Queues
+from device_model.memory import DeviceOOMError
+from device_model.runtime import DeviceBuffer, copy_in, copy_out, runtime, wait_until_written
 
 __all__ = [
     "Array",
@@ -23,47 +24,10 @@ __all__ = [
     "device_put",
     "devices",
     "memory_stats",
-    "runtime",
     "set_card",
     "host_dtype",
     "DeviceOOMError",
 ]
-
-
-class Runtime:
-    """One card: its spec, its device memory, and its streams (``device_model.streams``)."""
-
-    def __init__(self, card: CardSpec, race_mode: str = "raise"):
-        self.card = card
-        self.memory = DeviceMemory(card.device_memory_usable_bytes, card.stick_bytes)
-        self.queues = Queues(race_mode=race_mode)
-        self.lock = threading.RLock()
-
-
-_local = threading.local()
-
-
-def stream_stack() -> list[Any]:
-    """This thread's ``with spyre_jax.stream(s)`` stack (innermost last)."""
-    st = getattr(_local, "stack", None)
-    if st is None:
-        st = _local.stack = []
-    return st
-
-
-def current_stream_id() -> int:
-    """The id of the stream launches go to now (0 outside any ``with spyre_jax.stream``)."""
-    st = getattr(_local, "stack", None)
-    if st and st[-1]._rt is _runtime:
-        return st[-1].id
-    return DEFAULT_STREAM
-
-
-_runtime = Runtime(DEFAULT_CARD)
-
-
-def runtime() -> Runtime:
-    return _runtime
 
 
 def set_card(card: CardSpec) -> None:
@@ -72,8 +36,7 @@ def set_card(card: CardSpec) -> None:
     Arrays and compiled functions of the previous card stay valid on it (they keep its memory
     alive); passing one of its arrays to a function compiled for the new card is a ValueError.
     """
-    global _runtime
-    _runtime = Runtime(card, _runtime.queues.race_mode)
+    card_runtime.set_card(card)
 
 
 class Device:
@@ -100,14 +63,14 @@ def devices() -> list[Device]:
 
 def memory_stats() -> dict[str, int]:
     """Device-memory figures, with the keys of JAX's ``Device.memory_stats()``."""
-    return _runtime.memory.stats()
+    return runtime().memory.stats()
 
 
 def host_dtype(x: Any) -> str:
     """The device dtype for a host value; TypeError for float64/complex/unsupported dtypes."""
     dt = np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
     name = dt.name
-    if name == "int64" or name == "uint32" or name == "int16" or name == "int8" or name == "uint8":
+    if name in ("int64", "uint32", "int16", "int8", "uint8"):
         if name == "int64":
             warnings.warn("spyre: int64 is narrowed to int32 on the card", stacklevel=3)
         return "int32"
@@ -119,17 +82,6 @@ def host_dtype(x: Any) -> str:
     return name
 
 
-def to_device_buffer(host: np.ndarray, layout: TensorLayout) -> jax.Array:
-    """Host values -> the padded device-layout buffer (padding zero-filled)."""
-    a = np.asarray(host).astype(np_dtype(layout.dtype), copy=False)
-    if not layout.shape:
-        a = a.reshape(1)
-    pad = layout.device_shape[-1] - a.shape[-1]
-    if pad:
-        a = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
-    return jnp.asarray(a)
-
-
 class Array:
     """A tensor resident in the card's device memory (``spyre_jax.Array``).
 
@@ -137,91 +89,83 @@ class Array:
     Freed when deleted or garbage-collected.
     """
 
-    __slots__ = ("_addr", "_layout", "_rt", "_fin", "__weakref__")
+    __slots__ = ("_buf", "__weakref__")
 
-    def __init__(self, rt: Runtime, addr: int, layout: TensorLayout):
-        self._rt = rt
-        self._addr = addr
-        self._layout = layout
-        self._fin = weakref.finalize(self, _free_quiet, rt, addr)
+    def __init__(self, buf: DeviceBuffer):
+        self._buf = buf
 
     # --- metadata
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._layout.shape
+        return self._buf.layout.shape
 
     @property
     def dtype(self) -> np.dtype:
-        return np_dtype(self._layout.dtype)
+        return np_dtype(self._buf.layout.dtype)
 
     @property
     def ndim(self) -> int:
-        return len(self._layout.shape)
+        return len(self._buf.layout.shape)
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._layout.shape, dtype=np.int64))
+        return int(np.prod(self._buf.layout.shape, dtype=np.int64))
 
     @property
     def layout(self) -> TensorLayout:
         """The stick layout the tensor has in device memory."""
-        return self._layout
+        return self._buf.layout
 
     @property
     def nbytes(self) -> int:
-        return self._layout.logical_bytes
+        return self._buf.layout.logical_bytes
+
+    @property
+    def buffer(self) -> DeviceBuffer:
+        """The device buffer this array wraps (``device_model.runtime.DeviceBuffer``)."""
+        self._check_alive()
+        return self._buf
 
     def devices(self) -> set[Device]:
         return {_DEVICE}
 
     # --- lifetime
     def is_deleted(self) -> bool:
-        return not self._fin.alive
+        return not self._buf.alive
 
     def delete(self) -> None:
         """Free the device memory now; any later use raises RuntimeError."""
-        self._fin()
+        self._buf.delete()
 
-    def _buffer(self) -> jax.Array:
-        if not self._fin.alive:
-            raise RuntimeError(
-                f"Array has been deleted with shape={self._layout.dtype}{list(self.shape)}."
-            )
-        return self._rt.memory.load(self._addr)
+    def _check_alive(self) -> None:
+        if not self._buf.alive:
+            lay = self._buf.layout
+            raise RuntimeError(f"Array has been deleted with shape={lay.dtype}{list(lay.shape)}.")
+
+    def _buffer(self) -> Any:
+        """The payload: the padded device-layout array."""
+        self._check_alive()
+        return self._buf.payload()
 
     def block_until_ready(self) -> Array:
         """Wait (the host, in simulated time too) for the step that computes this array."""
-        self._buffer().block_until_ready()
-        self._rt.queues.wait_for_writer(self._addr)
+        p = self._buffer()
+        if hasattr(p, "block_until_ready"):
+            p.block_until_ready()
+        wait_until_written(self._buf)
         return self
 
     # --- host access
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        buf = np.asarray(self._buffer())
-        # a copy-out step on the stream that wrote the array; the host waits for it
-        q = self._rt.queues
-        sid = q.writer_stream(self._addr)
-        n = self._layout.nbytes
-        q.submit(
-            sid,
-            "copy_out",
-            f"copy out {self._layout.dtype}{list(self.shape)}",
-            reads=(self._addr,),
-            duration=copy_seconds(n, self._rt.card),
-            nbytes=n,
-        )
-        q.synchronize(sid)
-        if self.shape:
-            out = buf[..., : self.shape[-1]]
-        else:
-            out = buf[0]
-        out = np.array(out, dtype=dtype) if dtype is not None else np.array(out)
-        return out
+        self._check_alive()
+        out = copy_out(self._buf)
+        return out.astype(dtype, copy=False) if dtype is not None else out
 
     def __repr__(self) -> str:
+        lay = self._buf.layout
         if self.is_deleted():
-            return f"spyre_jax.Array(<deleted>, shape={self.shape}, dtype={self._layout.dtype})"
-        return f"spyre_jax.Array({np.asarray(self)!r}, dtype={self._layout.dtype})"
+            return f"spyre_jax.Array(<deleted>, shape={lay.shape}, dtype={lay.dtype})"
+        return f"spyre_jax.Array({np.asarray(self)!r}, dtype={lay.dtype})"
 
     def __len__(self) -> int:
         if not self.shape:
@@ -229,23 +173,12 @@ class Array:
         return self.shape[0]
 
 
-def _free_quiet(rt: Runtime, addr: int) -> None:
-    if addr in rt.memory:
-        rt.memory.free(addr)
-        rt.queues.forget(addr)
-
-
-def new_array(rt: Runtime, addr: int, layout: TensorLayout, buf: jax.Array) -> Array:
-    rt.memory.store(addr, buf, layout.nbytes)
-    return Array(rt, addr, layout)
-
-
 def device_put(x: Any, device: Device | None = None) -> Array:
     """Copy a host value (NumPy/JAX array or scalar) into device memory (an :class:`Array`)."""
     if isinstance(x, Array):
-        x._buffer()
+        x._check_alive()
         return x
-    if isinstance(x, (list, tuple, dict)):
+    if isinstance(x, list | tuple | dict):
         return jax.tree_util.tree_map(device_put, x)
     if np.iscomplexobj(x) or (hasattr(x, "dtype") and np.dtype(x.dtype).kind == "c"):
         raise TypeError(
@@ -260,25 +193,6 @@ def device_put(x: Any, device: Device | None = None) -> Array:
         x = np.int32(x)
     dt = host_dtype(x)
     host = np.asarray(x)
-    layout = layout_for(host.shape, dt, _runtime.card.stick_bytes)
-    rt = _runtime
-    sid = current_stream_id()
-    rt.queues.state(sid)  # a destroyed stream is refused before anything is allocated
-    with rt.lock:
-        addr = rt.memory.alloc(layout.nbytes, tag="device_put")
-        try:
-            buf = to_device_buffer(host, layout)
-        except BaseException:
-            rt.memory.free(addr)
-            raise
-        arr = new_array(rt, addr, layout, buf)
-    n = layout.nbytes
-    rt.queues.submit(
-        sid,
-        "copy_in",
-        f"copy in {layout.dtype}{list(layout.shape)}",
-        writes=(addr,),
-        duration=copy_seconds(n, rt.card),
-        nbytes=n,
-    )
-    return arr
+    rt = runtime()
+    layout = layout_for(host.shape, dt, rt.card.stick_bytes)
+    return Array(copy_in(host, layout, rt=rt, tag="device_put"))

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from device_model.streams import DEFAULT_STREAM, Event, RaceError, RaceWarning, StreamError
-
-from .runtime import current_stream_id, runtime, stream_stack
+from device_model import runtime as card_runtime
+from device_model.runtime import DEFAULT_STREAM, runtime
+from device_model.streams import Event, RaceError, RaceWarning, StreamError
 
 __all__ = [
     "Stream",
@@ -67,16 +67,16 @@ class Stream:
     def record_event(self, event: Event | None = None) -> Event:
         """Record an event at this point of the stream (a new one, or ``event`` again)."""
         e = Event() if event is None else event
-        self._rt.queues.record(self.id, e)
+        card_runtime.record_event(self._rt, self.id, e)
         return e
 
     def wait_event(self, event: Event) -> None:
         """Later steps of this stream start after the step ``event`` was recorded behind."""
-        self._rt.queues.wait(self.id, event)
+        card_runtime.wait_event(self._rt, self.id, event)
 
     def synchronize(self) -> None:
         """The host waits until everything submitted to this stream has completed."""
-        self._rt.queues.synchronize(self.id)
+        card_runtime.synchronize(self._rt, self.id)
 
     def destroy(self) -> None:
         """Finish this stream's work and release its id; using it afterwards raises."""
@@ -88,11 +88,11 @@ class Stream:
         return self._rt.queues.state(self.id).token
 
     def __enter__(self) -> Stream:
-        _stack().append(self)
+        card_runtime.push_stream(self._rt, self.id, self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _stack().pop()
+        card_runtime.pop_stream()
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.id == self.id and other._rt is self._rt
@@ -104,14 +104,12 @@ class Stream:
         return f"<spyre Stream {self.id} ({self.priority})>"
 
 
-def _stack() -> list[Stream]:
-    return stream_stack()
-
-
 def current_stream() -> Stream:
     """The stream launches go to: the innermost ``with spyre_jax.stream(s)``, else stream 0."""
-    sid = current_stream_id()
-    return Stream.default() if sid == DEFAULT_STREAM else _stack()[-1]
+    sid, handle = card_runtime.current_stream()
+    if sid == DEFAULT_STREAM or not isinstance(handle, Stream):
+        return Stream.default()
+    return handle
 
 
 def default_stream() -> Stream:
@@ -123,17 +121,16 @@ def stream(s: Stream) -> Iterator[Stream]:
     """``with spyre_jax.stream(s):`` launches (jitted calls, device_put) go to stream ``s``."""
     if not isinstance(s, Stream):
         raise TypeError(f"spyre_jax.stream expects a spyre_jax.Stream, got {type(s).__name__}")
-    runtime().queues.state(s.id)  # a destroyed stream is refused here
-    _stack().append(s)
+    card_runtime.push_stream(s._rt, s.id, s)  # a destroyed stream is refused here
     try:
         yield s
     finally:
-        _stack().pop()
+        card_runtime.pop_stream()
 
 
 def synchronize() -> None:
     """The host waits until every stream's work has completed."""
-    runtime().queues.synchronize()
+    card_runtime.synchronize()
 
 
 def set_race_mode(mode: str) -> str:

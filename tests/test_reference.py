@@ -35,8 +35,8 @@ from device_model.reference import (
     reference_runner,
     run_kernel_reference,
 )
+from device_model.runtime import to_device_layout
 from spyre_jax import CardSpec
-from spyre_jax.runtime import to_device_buffer
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
@@ -72,7 +72,7 @@ def _device_args(low: spyre_jax.Lowered, xs: tuple[Any, ...]) -> list[np.ndarray
     hosts = [np.asarray(x) for x in leaves] + [arr for _, arr in low.kernel.consts]
     assert len(hosts) == len(k.inputs)
     return [
-        np.asarray(to_device_buffer(h, decls[n].layout))
+        np.asarray(to_device_layout(h, decls[n].layout))
         for n, h in zip(k.inputs, hosts, strict=True)
     ]
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import spyre_jax
+from device_model.runtime import runtime
 from device_model.streams import Queues, StepRecord
 from spyre_jax.errors import RaceError, RaceWarning, StreamError
-from spyre_jax.runtime import runtime
 
 
 @contextlib.contextmanager

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import spyre_jax
-from spyre_jax.runtime import runtime
+from device_model.runtime import runtime
 from torch_bridge import device as dev
+from torch_bridge import storage
 from torch_bridge.backend import SpyreFallbackWarning
 
 # fp32: the card computes in fp32 (sums in another order); fp16: each store rounds to fp16
@@ -408,13 +409,14 @@ def test_unsupported_op_falls_back_with_warning():
 def test_card_array_round_trip():
     x = _rand((5, 70))
     xs = x.to("spyre")
-    a = dev.as_card_array(xs.t())  # a strided view: gathered into the stick layout
+    # the device buffer both frontends wrap: a spyre tensor's card buffer as a spyre_jax.Array
+    a = spyre_jax.Array(storage.as_card_buffer(xs.t()))  # a strided view: gathered into sticks
     assert isinstance(a, spyre_jax.Array) and a.shape == (70, 5) and a.layout.device_shape[-1] == 32
     assert np.array_equal(np.asarray(a), x.t().numpy())
-    back = dev.from_card_array(a)
+    back = storage.from_card_buffer(a.buffer)
     assert back.device.type == "spyre" and torch.equal(back.cpu(), x.t())
     ia = spyre_jax.device_put(np.arange(6, dtype=np.int32).reshape(2, 3))
-    t = dev.from_card_array(ia, torch.empty(2, 3, dtype=torch.int64, device="meta"))
+    t = storage.from_card_buffer(ia.buffer, torch.empty(2, 3, dtype=torch.int64, device="meta"))
     assert t.dtype == torch.int64 and torch.equal(t.cpu(), torch.arange(6).reshape(2, 3))
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import spyre_jax
+from device_model.runtime import runtime
 from device_model.streams import StepRecord
 from device_model.trace import CORE_UNITS, PIPELINES, UNITS, chrome_trace, format_summary, summary
 from spyre_jax.profile import Profile
-from spyre_jax.runtime import runtime
 
 EPS_US = 2e-3  # times are quantized to whole nanoseconds
 

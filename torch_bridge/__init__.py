@@ -1,7 +1,13 @@
-"""The PyTorch side of spyre-jax (the ``torch.compile`` backend and the ``spyre`` device).
+"""The PyTorch side of spyre-jax: the ``spyre`` device and the ``torch.compile`` backend.
 
-Not built yet: this package holds its place in the layering (it will use ``lowering`` and the
-same launch path as ``spyre_jax``). See the project's issues for the plan.
+Stacked one way over ``lowering`` and ``device_model`` (never over ``spyre_jax``):
+
+* :mod:`torch_bridge.storage`: spyre tensors' storage in the card's device memory, copies;
+* :mod:`torch_bridge.kernels`: graph IR -> a kernel loaded on the card, launched with tensors;
+* :mod:`torch_bridge.eager`: compute ops on spyre tensors as cached one-op kernels;
+* :mod:`torch_bridge.device`: the PrivateUse1 registration (``torch.spyre``), loaded by
+  ``import torch`` through the ``torch.backends`` entry point;
+* :mod:`torch_bridge.backend`: ``torch.compile(..., backend="spyre")``.
 """
 
 __all__: list[str] = []

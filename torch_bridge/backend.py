@@ -1,6 +1,6 @@
 """``torch.compile(model, backend="spyre")``: Dynamo's FX graph, through AOTAutograd with the
 core ATen decompositions, into ``lowering.from_fx`` and the shared graph IR, passes, kernel and
-card (``spyre_jax.api.compile_graph``).
+card (``torch_bridge.kernels``: ``lowering.pipeline`` and ``device_model.runtime``).
 
 Inference only: a graph that needs gradients (grad mode on and an input that requires grad) is
 refused with a clear error. An ATen op with no lowering rule falls back to the CPU by default:
@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
 
 from lowering.errors import UnsupportedPrimitiveError
-from lowering.from_fx import card_dtype, from_fx, node_source, supported
+from lowering.from_fx import from_fx, node_source, supported
+
+from .errors import InferenceOnlyError, SpyreFallbackWarning
+from .kernels import load, run_graph
+from .storage import from_host, to_host
 
 __all__ = [
     "spyre_backend",
@@ -35,21 +43,15 @@ __all__ = [
     "compiled_kernels",
     "SpyreFallbackWarning",
     "InferenceOnlyError",
+    "to_host",
+    "from_host",
 ]
-
-
-class SpyreFallbackWarning(UserWarning):
-    """An ATen op with no lowering rule runs on the CPU instead of the card."""
-
-
-class InferenceOnlyError(RuntimeError):
-    """The spyre backend compiles inference graphs only (no autograd)."""
 
 
 _lock = threading.Lock()
 _fallbacks: collections.Counter[str] = collections.Counter()
 _stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
-_kernels: list[Any] = []  # the spyre_jax Compiled of every card kernel since the last reset
+_kernels: list[Any] = []  # the Executable of every card kernel since the last reset
 
 
 def fallback_stats() -> dict[str, int]:
@@ -66,8 +68,8 @@ def reset_fallback_stats() -> None:
 
 
 def compiled_kernels() -> list[Any]:
-    """The card kernels (``spyre_jax.Compiled``) the backend made since the last reset: their
-    ``cost_analysis()`` gives simulated time, scratchpad peak, traffic, ..."""
+    """The card kernels (``device_model.runtime.Executable``) the backend made since the last
+    reset: their ``cost_analysis()`` gives simulated time, scratchpad peak, traffic, ..."""
     with _lock:
         return list(_kernels)
 
@@ -100,8 +102,6 @@ def spyre_backend(
             "grad); the card runs inference only: call the compiled model under torch.no_grad() "
             "or torch.inference_mode()"
         )
-    from torch._decomp import core_aten_decompositions
-    from torch._functorch.aot_autograd import aot_module_simplified
 
     def bw(gm: torch.fx.GraphModule, ex: Any) -> Callable:  # pragma: no cover - no autograd
         raise InferenceOnlyError("spyre backend: backward graphs are not supported")
@@ -120,18 +120,12 @@ def spyre_backend(
 
 
 def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: bool) -> Callable:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     # AOTAutograd calls us under its fake mode; constants must be read as real tensors
     with unset_fake_temporarily():
         return _compile_forward_real(gm, strict=strict)
 
 
 def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
-    import time
-
-    from torch._functorch.aot_autograd import make_boxed_func
-
     t0 = time.perf_counter()
     bad = [n for n in gm.graph.nodes if not supported(n)]
     if bad and strict:
@@ -177,10 +171,8 @@ class _CardGraph:
     """A whole FX graph compiled to one card kernel; called with torch tensors."""
 
     def __init__(self, gm: torch.fx.GraphModule):
-        from spyre_jax.api import compile_graph
-
         self.graph = from_fx(gm, name="torch_graph")
-        self.compiled = compile_graph(self.graph)
+        self.compiled = load(self.graph)
         with _lock:
             _kernels.append(self.compiled)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
@@ -188,60 +180,17 @@ class _CardGraph:
         self.out_meta = [_val(o) for o in outs]
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
-        # spyre tensors go in as the card arrays they are (no host round trip) and results on
+        # spyre tensors go in as the card buffers they are (no host round trip) and results on
         # spyre come back as spyre tensors; CPU tensors are copied in and out
-        from . import device as dev
-
-        leaves = [dev.as_card_array(a) if dev.is_spyre(a) else to_host(a) for a in args]
-        arrays = self.compiled.call_flat(leaves)
-        return tuple(
-            dev.from_card_array(a, m)
-            if getattr(getattr(m, "device", None), "type", None) == dev.NAME
-            else from_host(np.asarray(a), m)
-            for a, m in zip(arrays, self.out_meta, strict=True)
-        )
+        return run_graph(self.compiled, args, self.out_meta)
 
 
 def _val(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else n
 
 
-def to_host(t: Any) -> np.ndarray:
-    """A CPU torch tensor as the NumPy array the card copies in (bf16 via ml_dtypes)."""
-    if not isinstance(t, torch.Tensor):
-        return np.asarray(t)
-    card_dtype(t.dtype, "an input")
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.int64:
-        return t.numpy().astype(np.int32)
-    return t.contiguous().numpy()
-
-
-def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
-    """A result copied out of the card as a torch tensor of the dtype torch expects."""
-    if a.dtype.name == "bfloat16":
-        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    want = getattr(meta, "dtype", None)
-    if want is not None and t.dtype != want:
-        t = t.to(want)
-    shape = getattr(meta, "shape", None)
-    if shape is not None and tuple(t.shape) != tuple(shape) and t.numel() == math.prod(shape):
-        t = t.reshape(tuple(shape))  # rank-0 results travel as one-element sticks
-    return t
-
-
 def _partitioned(gm: torch.fx.GraphModule) -> tuple[Callable, int]:
     """Card subgraphs for the supported nodes; the rest stays in ``gm`` and runs on the CPU."""
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-    from torch.fx.passes.operator_support import OperatorSupportBase
 
     class Support(OperatorSupportBase):
         def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:

@@ -2,8 +2,8 @@
 
 An op on spyre tensors becomes a one-op FX graph built by hand (placeholders whose
 ``meta["val"]`` are fake tensors, one ``call_function`` node whose ``meta["val"]`` is the fake
-result computed by torch's own fake kernels), imported by ``lowering.from_fx`` and compiled by
-``spyre_jax.api.compile_graph``: the same lowering, kernel and launch as ``torch.compile``.
+result computed by torch's own fake kernels), imported by ``lowering.from_fx`` and loaded by
+``torch_bridge.kernels.load``: the same lowering, kernel and launch as ``torch.compile``.
 A node ``from_fx`` has no rule for is retried as the op's core-ATen decomposition
 (``make_fx`` with ``core_aten_decompositions``) when every op of that has a rule.
 
@@ -26,15 +26,27 @@ uncounted as fallbacks (``"host_factories"``).
 from __future__ import annotations
 
 import collections
+import operator
+import sys
 import threading
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
+from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import device as dev
+from device_model.layout import layout_for
+from device_model.memory import DeviceOOMError
+from device_model.runtime import launch, runtime
+from lowering.from_fx import RULES, card_dtype, from_fx, supported
+
+from . import storage as st
+from .errors import SpyreFallbackWarning
+from .kernels import load
 
 __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
 
@@ -106,8 +118,6 @@ def _is_tensor_type(t: Any) -> bool:
 
 def register_kernels(lib: torch.library.Library) -> None:
     """A PrivateUse1 kernel for every functional op ``lowering.from_fx`` has a rule for."""
-    from lowering.from_fx import RULES
-
     for op in list(RULES):
         if _eligible(op):
             lib.impl(op, _kernel_for(op), "PrivateUse1")
@@ -131,8 +141,8 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     card, and what the card cannot run goes to the CPU with a warning."""
     s = op._schema
     if s.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns):
-        return op.redispatch(dev._CPU_KS, *args, **kwargs)
-    dev._check_same_device(tree_flatten((args, kwargs))[0])
+        return op.redispatch(st.CPU_KEYS, *args, **kwargs)
+    st.check_same_device(tree_flatten((args, kwargs))[0])
     written = _written(op, args, kwargs)
     if not _has_spyre_input(op, args, kwargs):
         with _lock:
@@ -174,7 +184,7 @@ def _has_spyre_input(op: Any, args: tuple, kwargs: dict) -> bool:
         if a.is_out:
             continue
         v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        if any(dev.is_spyre(x) for x in tree_flatten(v)[0]):
+        if any(st.is_spyre(x) for x in tree_flatten(v)[0]):
             return True
     return False
 
@@ -231,8 +241,8 @@ def _write_back(op: Any, written: list, results: list) -> Any:
                     f"{list(r.shape)}"
                 )
             dst.resize_(r.shape)
-        dev._alias(dst).copy_(dev._alias(r))
-        dev._device_step("copy", dst, [r])
+        st.alias(dst).copy_(st.alias(r))
+        st.device_step("copy", dst, [r])
     ts = [d for d, _ in written]
     return ts[0] if len(op._schema.returns) == 1 else tuple(ts)
 
@@ -311,8 +321,8 @@ def _signature(op: Any, args: tuple, kwargs: dict) -> tuple[list, Any, tuple, tu
                 if first is None:
                     first = d
                 elif d != first:
-                    dev._check_same_device(leaves)  # raises torch's device-mismatch error
-            if d.type == dev.NAME:
+                    st.check_same_device(leaves)  # raises torch's device-mismatch error
+            if d.type == st.NAME:
                 sig.append(("T", tuple(x.shape), x.dtype))
                 strides.append(tuple(x.stride()))
             else:
@@ -325,7 +335,7 @@ def _signature(op: Any, args: tuple, kwargs: dict) -> tuple[list, Any, tuple, tu
                 sig.append(("V", type(x), x))
             except TypeError:
                 sig.append(("R", type(x), repr(x)))
-    key = (op, spec, tuple(sig), dev._runtime())
+    key = (op, spec, tuple(sig), runtime())
     return leaves, spec, key, tuple(strides)
 
 
@@ -366,10 +376,6 @@ def _fake_leaves(leaves: list, mode: Any) -> tuple[list, list]:
 
 def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
     """Trace, import and compile the op for this signature (or say why it cannot be)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from device_model.memory import DeviceOOMError
-
     plan = _Plan()
     try:
         mode = FakeTensorMode()
@@ -382,21 +388,18 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
             plan.reason = "a result that is not a tensor"
             return plan
         plan.single = not isinstance(out, tuple | list)
-        plan.outs = [(o.dtype, dev._dense_strides(o, tuple(o.shape))) for o in outs]
-        spyre_in = [x for x in leaves if dev.is_spyre(x)]
+        plan.outs = [(o.dtype, st.dense_strides(o, tuple(o.shape))) for o in outs]
+        spyre_in = [x for x in leaves if st.is_spyre(x)]
         if any(x.numel() == 0 for x in spyre_in) or any(o.numel() == 0 for o in outs):
             plan.host = True
             plan.reason = "no elements"
             return plan
-        from device_model.layout import layout_for
-        from lowering.from_fx import card_dtype
-
-        stick = dev._runtime().card.stick_bytes
+        stick = runtime().card.stick_bytes
         inputs = []
         for i, (x, p) in enumerate(zip(leaves, ph, strict=True)):
             if p is None:
                 continue
-            if dev.is_spyre(x):
+            if st.is_spyre(x):
                 lay = layout_for(tuple(x.shape), card_dtype(x.dtype, "an input"), stick)
                 inputs.append((i, "T", x.dtype, lay))
             else:
@@ -432,8 +435,6 @@ def _one_op_graph(
     node = g.call_function(op, tuple(a), dict(k))
     node.meta["val"] = out
     if isinstance(out, tuple | list):
-        import operator
-
         items = []
         for j, o in enumerate(outs):
             gi = g.call_function(operator.getitem, (node, j))
@@ -448,9 +449,6 @@ def _one_op_graph(
 def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: list) -> Any:
     """``from_fx`` + ``compile_graph`` for the one-op graph, or for the op's core-ATen
     decomposition when the op itself has no rule (only without lifted numbers)."""
-    from lowering.from_fx import from_fx, supported
-    from spyre_jax.api import compile_graph
-
     name = "eager_" + op.name().replace("::", "_").replace(".", "_")
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     if not supported(node):
@@ -463,16 +461,13 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
                 f"no lowering rule for {op} (nor for {bad[0].target} in its decomposition)"
             )
     graph = from_fx(gm, name=name)
-    compiled = compile_graph(graph)
+    compiled = load(graph)
     with _lock:
         _counts["compiles"] += 1
     return compiled
 
 
 def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     idx = [i for i, _, _, _ in inputs]
 
     def f(*ts: torch.Tensor) -> Any:
@@ -516,35 +511,31 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _launch(plan: _Plan, leaves: list) -> Any:
-    from .backend import to_host
-
     operands: list[Any] = []
     temps = []
     try:
         for i, kind, pdt, lay in plan.inputs:
             x = leaves[i]
             if kind == "T":
-                a = dev._card_array(x, lay)
-                temps.append(a)
-                operands.append(a)
+                b = st.as_card_buffer(x, lay)
+                temps.append(b)
+                operands.append(b)
             elif kind == "C":
-                operands.append(to_host(x.to(pdt) if x.dtype != pdt else x))
+                operands.append(st.to_host(x.to(pdt) if x.dtype != pdt else x))
             else:
                 operands.append(np.asarray(x.v, dtype=_NP_OF[pdt]))
-        arrays = plan.compiled.call_flat(operands)
+        bufs = launch(plan.compiled, operands)
     finally:
-        for a in temps:
-            a.delete()
+        for b in temps:
+            b.delete()
     with _lock:
         _counts["launches"] += 1
-    res = [dev._from_card(a, dt, st) for a, (dt, st) in zip(arrays, plan.outs, strict=True)]
+    res = [st.from_card(b, dt, sd) for b, (dt, sd) in zip(bufs, plan.outs, strict=True)]
     return res[0] if plan.single else tuple(res)
 
 
 def _user_stacklevel() -> int:
     """The stacklevel of the first frame outside torch and torch_bridge (the user's line)."""
-    import sys
-
     f = sys._getframe(1)
     level = 1
     while f is not None:
@@ -562,8 +553,6 @@ def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: An
     ``reason``, warn (naming the op, or ``name``: the functional op of an in-place/out= one)
     and count it as a fallback."""
     if reason is not None:
-        from .backend import SpyreFallbackWarning
-
         what = str(name or op)
         warnings.warn(
             f"spyre: ATen op {what} has no card kernel here; it runs on the CPU ({reason})",
@@ -578,16 +567,16 @@ def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: An
     outs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def to_cpu(v: Any, write: bool, is_out: bool) -> Any:
-        if isinstance(v, torch.device) and v.type == dev.NAME:
+        if isinstance(v, torch.device) and v.type == st.NAME:
             return torch.device("cpu")
-        if not dev.is_spyre(v):
+        if not st.is_spyre(v):
             return v
         if is_out:
             c = torch.empty(0, dtype=v.dtype)
             outs.append((v, c))
         else:
-            dev._host_reads(v)
-            c = dev._alias(v)  # zero copy; in-place writes land in device memory
+            st.host_reads(v)
+            c = st.alias(v)  # zero copy; in-place writes land in device memory
         if write:
             stand_in[id(c)] = v
         return c
@@ -603,24 +592,24 @@ def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: An
                 lambda v, w=write, o=a.is_out: to_cpu(v, w, o), ckwargs[a.name]
             )
     for k, v in list(ckwargs.items()):  # device=spyre of factories not in the schema walk
-        if isinstance(v, torch.device) and v.type == dev.NAME:
+        if isinstance(v, torch.device) and v.type == st.NAME:
             ckwargs[k] = torch.device("cpu")
     res = op(*cargs, **ckwargs)
     for v, c in outs:
         if tuple(v.shape) != tuple(c.shape):
             v.resize_(c.shape)
-        dev._alias(v).copy_(c)
-        dev._host_writes(v)
+        st.alias(v).copy_(c)
+        st.host_writes(v)
     for v in stand_in.values():
         if all(v is not o for o, _ in outs):
-            dev._host_writes(v)
+            st.host_writes(v)
 
     def back(r: Any) -> Any:
         if isinstance(r, torch.Tensor):
             s = stand_in.get(id(r))
             if s is not None:
                 return s
-            return dev._new_from_cpu(r)
+            return st.new_from_cpu(r)
         return r
 
     return tree_map(back, res)

@@ -1,0 +1,443 @@
+"""Spyre tensors' storage: torch storages over the card's device buffers, and the copies.
+
+The bottom layer of the PyTorch side; it stands on ``device_model.runtime`` only (no JAX is
+imported, since ``import torch`` loads the device, which stands on this module).
+
+A spyre tensor is a plain ``torch.Tensor`` on PrivateUse1 whose storage is a non-owning
+``c10::Storage`` at a *simulated device address*: ``t.untyped_storage().data_ptr()`` is the
+address of a :class:`~device_model.runtime.DeviceBuffer` in the current card's device memory
+(stick-aligned), so ``spyre_jax.memory_stats()`` counts torch tensors. The buffer's payload is a
+writable, flat 1-D ``numpy.uint8`` array of the storage's bytes, in torch's own layout (the
+logical, unpadded bytes); views are torch's view metadata (sizes, strides, offset) over that
+storage and never copy. The buffer is freed when the storage dies.
+
+Address 0 is torch's null pointer: a storage whose region would start at 0 takes one more
+alignment unit and starts one stick in (its data pointer is still an address inside its region).
+
+Every movement of data is a step on the current stream (``device_model.runtime``): copies in
+and out over PCIe, device-side copies at the device-memory bandwidth. :func:`as_card_buffer` and
+:func:`from_card_buffer` turn spyre tensors into the stick-layout buffers a launch takes and
+launch results back into spyre tensors, without a host round trip.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from device_model import runtime as card_runtime
+from device_model.layout import TensorLayout, layout_for
+from device_model.runtime import DeviceBuffer, Runtime, runtime
+from lowering.from_fx import card_dtype
+
+__all__ = [
+    "NAME",
+    "is_spyre",
+    "as_card_buffer",
+    "from_card_buffer",
+    "to_host",
+    "from_host",
+]
+
+NAME = "spyre"
+
+_lock = threading.RLock()
+CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------
+# device memory: storages at simulated addresses
+
+
+class _Region:
+    """One torch storage's device buffer, its payload and a CPU tensor over the payload."""
+
+    __slots__ = ("buf", "payload", "host")
+
+    def __init__(self, buf: DeviceBuffer, payload: np.ndarray):
+        self.buf = buf
+        self.payload = payload
+        self.host = torch.from_numpy(payload)  # a CPU uint8 tensor over the same bytes
+
+    @property
+    def rt(self) -> Runtime:
+        return self.buf.rt
+
+    @property
+    def base(self) -> int:
+        return self.buf.addr
+
+
+#: storage data pointer -> its region (live torch storages only)
+_regions: dict[int, _Region] = {}
+
+
+def device() -> torch.device:
+    return torch.device(NAME, 0)
+
+
+def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
+    """(buffer, data pointer) of a new region of at least ``nbytes`` for a torch storage.
+
+    Address 0 is torch's null pointer: such a region takes one more alignment unit and its data
+    starts there. An address a storage of a previous card (before ``set_card``) still uses is
+    kept allocated (never handed to torch twice) and another is taken.
+    """
+    mem = rt.memory
+    while True:
+        base = mem.alloc(nbytes, tag="torch")
+        if base == 0:
+            mem.free(0)
+            base = mem.alloc(nbytes + mem.alignment, tag="torch")
+            ptr = base + mem.alignment if base == 0 else base
+        else:
+            ptr = base
+        if ptr not in _regions:
+            return DeviceBuffer(rt, base, nbytes), ptr
+        # a tensor of a previous card lives at this address: keep the block, take another
+
+
+def _release(ptr: int, region: _Region) -> None:
+    """The storage at ``ptr`` died: free its buffer."""
+    with _lock:
+        if _regions.get(ptr) is region:
+            del _regions[ptr]
+    region.buf.delete()
+
+
+def _storage_at(buf: DeviceBuffer, ptr: int, payload: np.ndarray) -> torch.UntypedStorage:
+    region = _Region(buf, payload)
+    buf.store(payload)
+    with _lock:
+        _regions[ptr] = region
+    st = torch._C._construct_storage_from_data_pointer(ptr, device(), payload.nbytes)
+    fin = weakref.finalize(st, _release, ptr, region)
+    fin.atexit = False
+    return st
+
+
+def new_storage(nbytes: int, payload: np.ndarray | None = None) -> torch.UntypedStorage:
+    """A fresh storage of ``nbytes`` in device memory (zero-filled unless ``payload`` given)."""
+    rt = runtime()
+    with rt.lock, _lock:
+        buf, ptr = _alloc(rt, nbytes)
+        if payload is None:
+            payload = np.zeros(nbytes, np.uint8)
+        return _storage_at(buf, ptr, payload)
+
+
+def region(t: torch.Tensor | torch.UntypedStorage) -> _Region:
+    """The region behind a spyre tensor or storage (RuntimeError if freed or of another card)."""
+    st = t.untyped_storage() if isinstance(t, torch.Tensor) else t
+    ptr = st.data_ptr()
+    r = _regions.get(ptr)
+    if r is None:
+        raise RuntimeError(
+            f"spyre: tensor storage at {ptr:#x} is not in the card's device memory "
+            "(freed, or made outside torch_bridge)"
+        )
+    if r.rt is not runtime():
+        raise RuntimeError(
+            "spyre: this tensor lives on a previous card (before spyre_jax.set_card); "
+            "copy it to the CPU first"
+        )
+    return r
+
+
+def contig_strides(size: Sequence[int]) -> tuple[int, ...]:
+    st, acc = [], 1
+    for s in reversed(tuple(size)):
+        st.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(st))
+
+
+def storage_nbytes(
+    size: Sequence[int], stride: Sequence[int], itemsize: int, offset: int = 0
+) -> int:
+    if any(int(s) == 0 for s in size):
+        return offset * itemsize
+    return (
+        offset + 1 + sum((int(s) - 1) * int(st) for s, st in zip(size, stride, strict=True))
+    ) * itemsize
+
+
+def set_storage(
+    t: torch.Tensor,
+    storage: torch.UntypedStorage,
+    offset: int,
+    size: Sequence[int],
+    stride: Sequence[int],
+) -> torch.Tensor:
+    """Point ``t`` at ``storage`` (the CPU ``set_`` kernel is device agnostic: metadata only)."""
+    return aten.set_.source_Storage_storage_offset.redispatch(
+        CPU_KEYS, t, storage, offset, list(size), list(stride)
+    )
+
+
+def new_tensor(
+    size: Sequence[int], dtype: torch.dtype | None = None, stride: Sequence[int] | None = None
+) -> torch.Tensor:
+    """A new spyre tensor with fresh (zero-filled) storage."""
+    dtype = dtype or torch.get_default_dtype()
+    if dtype.is_complex:
+        # the card has no complex numbers (and a complex PrivateUse1 storage crashes torch)
+        raise TypeError(
+            f"spyre: dtype {dtype} is not supported on the card; supported dtypes: float16, "
+            "bfloat16, float32, int32 and int64 (narrowed), bool"
+        )
+    size = tuple(int(s) for s in size)
+    stride = tuple(int(s) for s in stride) if stride is not None else contig_strides(size)
+    t = torch._C._acc.create_empty_tensor([0], dtype)
+    st = new_storage(storage_nbytes(size, stride, t.element_size()))
+    return set_storage(t, st, 0, size, stride)
+
+
+def _tensor_on(
+    storage: torch.UntypedStorage, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int]
+) -> torch.Tensor:
+    t = torch._C._acc.create_empty_tensor([0], dtype)
+    return set_storage(t, storage, 0, size, stride)
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the same bytes as spyre tensor ``t`` (zero copy, same view metadata)."""
+    r = region(t)
+    isz = t.element_size()
+    n = r.payload.nbytes - r.payload.nbytes % isz
+    if n == 0:  # no bytes (a tensor with no elements)
+        return torch.empty(0, dtype=t.dtype).as_strided(t.shape, t.stride(), 0)
+    flat = r.host[:n].view(t.dtype)
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def is_spyre(t: Any) -> bool:
+    """Whether ``t`` is a tensor on the spyre device."""
+    return isinstance(t, torch.Tensor) and t.device.type == NAME
+
+
+# ---------------------------------------------------------------------------------------------
+# the timeline: every movement of data is a step on the current stream
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def host_reads(t: torch.Tensor) -> None:
+    """The host reads ``t``: a copy-out step on the stream that wrote it, and the host waits."""
+    card_runtime.host_reads(region(t).buf, f"copy out {describe(t)}", t.numel() * t.element_size())
+
+
+def host_writes(t: torch.Tensor, what: str = "copy in") -> None:
+    """The host wrote ``t``'s bytes: a copy-in step on the current stream."""
+    card_runtime.host_wrote(region(t).buf, f"{what} {describe(t)}", t.numel() * t.element_size())
+
+
+def device_step(what: str, dst: torch.Tensor, srcs: Sequence[torch.Tensor] = ()) -> None:
+    """A device-side copy or fill into ``dst``: a step on the current stream."""
+    card_runtime.device_copy(
+        f"{what} {describe(dst)}",
+        [region(s).buf for s in srcs if is_spyre(s)],
+        [region(dst).buf],
+        dst.numel() * dst.element_size(),
+    )
+
+
+def new_from_cpu(c: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor's values as a new (contiguous) spyre tensor; a copy-in step."""
+    out = new_tensor(c.shape, c.dtype)
+    alias(out).copy_(c)
+    host_writes(out)
+    return out
+
+
+def check_same_device(tensors: Sequence[Any]) -> None:
+    """torch's device-mismatch RuntimeError; 0-dim CPU tensors (scalars) may join any device."""
+    first = None
+    for a in tensors:
+        if not isinstance(a, torch.Tensor):
+            continue
+        d = a.device
+        if d.type == "cpu" and a.dim() == 0:
+            continue
+        if first is None:
+            first = d
+        elif d != first:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{first} and {d}!"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# host values: CPU tensors as the NumPy arrays the card takes, and back
+
+
+def to_host(t: Any) -> np.ndarray:
+    """A CPU torch tensor as the NumPy array the card copies in (bf16 via ml_dtypes)."""
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
+    card_dtype(t.dtype, "an input")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.int64:
+        return t.numpy().astype(np.int32)
+    return t.contiguous().numpy()
+
+
+def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
+    """A result copied out of the card as a torch tensor of the dtype torch expects."""
+    if a.dtype.name == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    want = getattr(meta, "dtype", None)
+    if want is not None and t.dtype != want:
+        t = t.to(want)
+    shape = getattr(meta, "shape", None)
+    if shape is not None and tuple(t.shape) != tuple(shape) and t.numel() == math.prod(shape):
+        t = t.reshape(tuple(shape))  # rank-0 results travel as one-element sticks
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# launches: spyre tensors as card buffers and back
+
+
+def as_card_buffer(t: torch.Tensor, layout: TensorLayout | None = None) -> DeviceBuffer:
+    """A spyre tensor as a new stick-layout :class:`~device_model.runtime.DeviceBuffer` (the
+    dtype as the card has it: int64 narrowed to int32, bf16 via ml_dtypes), the argument a
+    launch takes. For a strided view that is a device-side re-layout (a gather), recorded on the
+    current stream. The caller owns the buffer (freed when deleted or garbage-collected).
+    """
+    r = region(t)
+    rt = r.rt
+    if layout is None:
+        dt = card_dtype(t.dtype, "a spyre tensor")
+        layout = layout_for(tuple(t.shape), dt, rt.card.stick_bytes)
+    host = _card_host(t)
+    data = np.zeros(layout.device_shape, host.dtype)
+    if host.ndim:
+        data[..., : host.shape[-1]] = host
+    else:
+        data[0] = host
+    buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-operand", payload=data)
+    if not t.is_contiguous():
+        card_runtime.device_copy(f"relayout {describe(t)}", [r.buf], [buf], layout.nbytes)
+    else:  # the kernel reads the tensor's own bytes: it must not race their writer
+        card_runtime.check_reads("read operand", [r.buf])
+    return buf
+
+
+def _card_host(t: torch.Tensor) -> np.ndarray:
+    """The logical values of spyre tensor ``t`` as a (strided, zero-copy where the dtype allows)
+    NumPy array of its card dtype."""
+    al = alias(t)
+    if t.dtype == torch.bfloat16:
+        return al.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.int64:
+        return al.numpy().astype(np.int32)
+    return al.numpy()
+
+
+def dense_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``meta``'s strides when they are a permutation of a dense layout other than the
+    contiguous one, else None (contiguous)."""
+    if not isinstance(meta, torch.Tensor) or meta.dim() != len(shape):
+        return None
+    st = tuple(int(s) for s in meta.stride())
+    if st == contig_strides(shape) or not _dense_permutation(shape, st):
+        return None
+    return st
+
+
+def _dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely in some dimension order (no gaps, no
+    overlap), as torch's ``is_non_overlapping_and_dense``."""
+    acc = 1
+    for size, st in sorted(
+        ((s, t) for s, t in zip(shape, stride, strict=True) if s != 1), key=lambda p: p[1]
+    ):
+        if st != acc:
+            return False
+        acc *= size
+    return True
+
+
+_TORCH_OF_CARD = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+def from_card_buffer(buf: DeviceBuffer, meta: Any = None) -> torch.Tensor:
+    """A stick-layout buffer (a launch's result) as a spyre tensor, in place when it can.
+
+    ``meta`` (a fake/meta tensor, optional) gives the torch dtype (int32 results of int64 ops
+    are widened back) and the strides (a dense permutation is kept, as torch would). The
+    buffer's region becomes the tensor's storage when the bytes fit (``buf`` belongs to the
+    tensor then); otherwise the tensor gets fresh storage and ``buf`` is freed.
+    """
+    dtype = getattr(meta, "dtype", None)
+    return from_card(buf, dtype, dense_strides(meta, tuple(buf.layout.shape)))
+
+
+def from_card(
+    buf: DeviceBuffer, dtype: torch.dtype | None, stride: tuple[int, ...] | None
+) -> torch.Tensor:
+    """:func:`from_card_buffer` with the torch dtype and strides given."""
+    lay = buf.layout
+    shape = lay.shape
+    data = np.asarray(buf.payload())
+    if not shape:
+        host = data[:1].reshape(())
+    elif data.shape[-1] != shape[-1]:
+        host = data[..., : shape[-1]]
+    else:
+        host = data
+    have = _TORCH_OF_CARD[lay.dtype]
+    dtype = dtype or have
+    if dtype != have:
+        if dtype == torch.int64:
+            host = host.astype(np.int64)
+        else:  # any other widening torch expects: convert with torch's own rules
+            c = from_host(np.array(host), None).to(dtype)
+            host = c.view(torch.int16).numpy() if dtype == torch.bfloat16 else c.numpy()
+    if stride is None:
+        payload = np.array(host, copy=True).reshape(-1).view(np.uint8)
+        stride = contig_strides(shape)
+    else:
+        isz = host.dtype.itemsize
+        payload = np.zeros(storage_nbytes(shape, stride, isz), np.uint8)
+        np.ndarray(shape, host.dtype, payload, 0, tuple(s * isz for s in stride))[...] = host
+    rt = buf.rt
+    base = buf.addr
+    with rt.lock, _lock:
+        fits = (
+            rt is runtime()
+            and buf.alive
+            and base != 0
+            and base not in _regions
+            and payload.nbytes <= rt.memory.size_of(base)
+        )
+        if fits:  # the buffer's region becomes the storage
+            st = _storage_at(buf, base, payload)
+    if not fits:
+        st = new_storage(payload.nbytes, payload)
+        buf.delete()
+    return _tensor_on(st, dtype, shape, stride)
