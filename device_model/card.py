@@ -52,6 +52,8 @@ class CardSpec:
             CARD.md) moves 32 MiB (each row loaded once, kept in scratchpad, stored once), which
             implies 128.6 GB/s, 63% of 204.8 GB/s; 0.65 rounds that. DRAM rarely sustains its
             peak (refresh, bank and read/write turnarounds); the real figure is not published.
+        streams_per_priority: 32 streams of each priority besides the default stream 0: ids
+            1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
             DL16 (IBM DLFloat16: 6 exponent, 9 fraction bits, ties away from zero; see
             ``device_model.numerics``), the 16-bit format the card's units work in, then to the
@@ -76,6 +78,7 @@ class CardSpec:
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
     device_memory_efficiency: float = 0.65
+    streams_per_priority: int = 32
     dl16_rounding: bool = False
 
     def __post_init__(self) -> None:

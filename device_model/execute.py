@@ -1,4 +1,4 @@
-"""The card as one vectorized JAX program: every stage of a kernel over all 32 cores at once.
+"""The card as one vectorized JAX program: every stage of a kernel over all its cores at once.
 
 ``build_runner(kernel)`` turns a :class:`~device_model.kernel.Kernel` into one ``jax.jit``-ed
 function from the kernel's input device buffers to its output device buffers.

@@ -138,7 +138,13 @@ class Stage:
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
-    """One device-compute operation: tensors, stages in order, and which tensors are outputs."""
+    """One device-compute operation: tensors, stages in order, and which tensors are outputs.
+
+    It records the figures of the card it was scheduled for (keyword-only, no defaults: a
+    kernel is always for one card): ``num_cores`` (the tables have one entry per core),
+    ``sp_capacity`` (usable scratchpad bytes per core), ``stick_bytes`` (every layout's stick
+    and the scratchpad buffers' alignment) and ``dl16`` (``CardSpec.dl16_rounding``).
+    """
 
     name: str
     tensors: tuple[TensorDecl, ...]
@@ -146,9 +152,10 @@ class Kernel:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     aliases: tuple[tuple[str, str], ...] = ()  # (view, base): a free reshape of a tensor
-    num_cores: int = 32
-    sp_capacity: int = 0
-    dl16: bool = False  # stores of fp16/bf16 results round through DL16 first (CardSpec)
+    num_cores: int = field(kw_only=True)
+    sp_capacity: int = field(kw_only=True)
+    stick_bytes: int = field(kw_only=True)
+    dl16: bool = field(default=False, kw_only=True)  # stores of fp16/bf16 round through DL16
     #: the host values of the const tensors, by name (copied in once per compiled function)
     consts: tuple[tuple[str, Any], ...] = field(default=(), compare=False, hash=False)
     stats: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -192,10 +199,16 @@ def check_kernel(k: Kernel) -> None:
     for view, base in k.aliases:
         if view not in names or base not in names:
             raise ScheduleError(f"kernel {k.name}: alias {view} -> {base} names unknown tensors")
+    for t in k.tensors:
+        if t.layout.stick_bytes != k.stick_bytes:
+            raise ScheduleError(
+                f"kernel {k.name}: tensor {t.name} is laid out in {t.layout.stick_bytes}-byte "
+                f"sticks, the card's are {k.stick_bytes} bytes"
+            )
     for s in k.stages:
         where = f"kernel {k.name}, stage {s.name} ({s.kind})"
         try:
-            _check_stage(s, names, k.num_cores, k.sp_capacity)
+            _check_stage(s, names, k.num_cores, k.sp_capacity, k.stick_bytes)
         except ScheduleError as e:
             raise ScheduleError(f"{where}: {e}\n{format_stage(s, names, max_steps=2)}") from None
         for op in s.inputs:
@@ -212,18 +225,18 @@ def check_kernel(k: Kernel) -> None:
             raise ScheduleError(f"kernel {k.name}: output {o} is never written")
 
 
-def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int) -> None:
+def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int, stick: int) -> None:
     bufs = sorted(s.scratch, key=lambda b: b.offset)
     for a, b in zip(bufs, bufs[1:], strict=False):
         if a.end > b.offset:
             raise ScheduleError(f"scratchpad buffers {a.name} and {b.name} overlap")
     for b in bufs:
-        if b.offset % 128 or b.slot_bytes % 128:
-            raise ScheduleError(f"scratchpad buffer {b.name} is not stick-aligned")
+        if b.offset % stick or b.slot_bytes % stick:
+            raise ScheduleError(f"scratchpad buffer {b.name} is not aligned to {stick}-byte sticks")
         need = math.prod(b.block) * DTYPES[b.dtype]
         if need > b.slot_bytes:
             raise ScheduleError(f"scratchpad buffer {b.name} holds {b.slot_bytes} B < {need} B")
-    if cap and s.sp_peak_bytes > cap:
+    if s.sp_peak_bytes > cap:
         raise ScheduleError(f"scratchpad plan {s.sp_peak_bytes} B exceeds usable {cap} B")
     ops = (*s.inputs, s.output)
     nblocks = []
@@ -263,6 +276,8 @@ def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int) 
                         raise ScheduleError(
                             f"step {t} core {c}: ring source {src} loads nothing this step"
                         )
+        if len(s.stores[t]) != ncores:
+            raise ScheduleError(f"step {t}: store row is not one entry per core")
         for c in range(ncores):
             blk = s.stores[t][c]
             if blk >= 0:
@@ -333,7 +348,10 @@ def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> 
 def format_kernel(k: Kernel, max_steps: int = 2) -> str:
     """The whole kernel as text (what ``Lowered.as_text()`` shows)."""
     names = {t.name: t for t in k.tensors}
-    lines = [f"kernel {k.name} cores={k.num_cores} scratchpad_usable={k.sp_capacity}B"]
+    lines = [
+        f"kernel {k.name} cores={k.num_cores} scratchpad_usable={k.sp_capacity}B "
+        f"stick={k.stick_bytes}B"
+    ]
     for t in k.tensors:
         lines.append(f"  {t.role:<6} {t.name}: {t.layout}")
     for view, base in k.aliases:

@@ -1,10 +1,11 @@
 """Stick layouts: how a logical tensor lies in device memory.
 
 A tensor on the card is stored row-major with its last dimension as the *stick dimension*: that
-dimension is split into 128-byte sticks and padded to a whole number of them (CARD.md, "Sticks
-and layout"). A rank-0 tensor takes one stick. The record mirrors torch-spyre's: ``device_size``
-splits the stick dimension into (sticks, elements per stick) and ``stride_map`` gives each device
-dimension's stride in the logical (unpadded, row-major) tensor, -1 for none.
+dimension is split into sticks of the card's ``CardSpec.stick_bytes`` (128 bytes on the real
+card) and padded to a whole number of them (CARD.md, "Sticks and layout"). A rank-0 tensor
+takes one stick. The record mirrors torch-spyre's: ``device_size`` splits the stick dimension
+into (sticks, elements per stick) and ``stride_map`` gives each device dimension's stride in the
+logical (unpadded, row-major) tensor, -1 for none.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["DTYPES", "TensorLayout", "layout_for", "np_dtype", "check_dtype", "SUPPORTED_DTYPES"]
@@ -25,8 +27,6 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 def np_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype for a device dtype name (bfloat16 via ml_dtypes, as JAX uses)."""
     if dtype == "bfloat16":
-        import ml_dtypes
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(dtype)
 
@@ -43,12 +43,13 @@ def check_dtype(dtype: str, what: str = "tensor") -> str:
 
 @dataclass(frozen=True, slots=True)
 class TensorLayout:
-    """A logical shape and dtype with its padded device shape (last dim padded to sticks)."""
+    """A logical shape and dtype with its padded device shape (last dim padded to sticks of
+    ``stick_bytes``, the card's :attr:`~device_model.card.CardSpec.stick_bytes`)."""
 
     shape: tuple[int, ...]
     dtype: str
     device_shape: tuple[int, ...]
-    stick_bytes: int = 128
+    stick_bytes: int
 
     @property
     def itemsize(self) -> int:
@@ -104,9 +105,15 @@ class TensorLayout:
         return f"{self.dtype}[{dims}] sticks@dim{self.stick_dim} device{list(self.device_shape)}"
 
 
-def layout_for(shape: tuple[int, ...], dtype: str, stick_bytes: int = 128) -> TensorLayout:
-    """The canonical stick layout of a tensor: row-major, last dim padded to whole sticks."""
+def layout_for(shape: tuple[int, ...], dtype: str, stick_bytes: int) -> TensorLayout:
+    """The canonical stick layout of a tensor: row-major, last dim padded to whole sticks of
+    ``stick_bytes`` (the card's ``CardSpec.stick_bytes``; required, there is no default card
+    here). ValueError when a stick does not hold a whole number of elements of ``dtype``."""
     check_dtype(dtype)
+    if stick_bytes <= 0 or stick_bytes % DTYPES[dtype]:
+        raise ValueError(
+            f"spyre: a stick of {stick_bytes} B does not hold a whole number of {dtype} elements"
+        )
     shape = tuple(int(d) for d in shape)
     eps = stick_bytes // DTYPES[dtype]
     if not shape:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left, insort
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .card import CardSpec
+from .card import DEFAULT_CARD, CardSpec
 
 __all__ = ["DeviceMemory", "DeviceOOMError", "format_bytes"]
 
@@ -50,7 +48,9 @@ class DeviceMemory:
     rounded down. All public methods are thread-safe.
     """
 
-    def __init__(self, capacity: int, alignment: int = 128) -> None:
+    def __init__(self, capacity: int, alignment: int | None = None) -> None:
+        if alignment is None:
+            alignment = DEFAULT_CARD.stick_bytes
         if alignment <= 0:
             raise ValueError(f"alignment must be positive, got {alignment}")
         capacity -= capacity % alignment

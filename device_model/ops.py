@@ -1,8 +1,8 @@
 """What the compute units do: the semantics of stage bodies, written once for NumPy and JAX.
 
 Every function here takes ``xp`` (``numpy`` or ``jax.numpy``) and works on tiles with a leading
-core axis ``[cores, *block]``. The vectorized card model calls them with ``jax.numpy`` on all 32
-cores at once; the reference evaluator calls them with ``numpy`` one core at a time. One
+core axis ``[cores, *block]``. The vectorized card model calls them with ``jax.numpy`` on all the
+card's cores at once; the reference evaluator calls them with ``numpy`` one core at a time. One
 definition, two executions: that is what keeps the two in agreement.
 
 Precision model (see also ``device_model.numerics``): tiles are widened on the way out of the

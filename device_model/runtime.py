@@ -71,7 +71,7 @@ class Runtime:
     def __init__(self, card: CardSpec, race_mode: str = "raise"):
         self.card = card
         self.memory = DeviceMemory.for_card(card)
-        self.queues = Queues(race_mode=race_mode)
+        self.queues = Queues(race_mode=race_mode, per_priority=card.streams_per_priority)
         self.lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -389,6 +389,9 @@ class Executable:
             len(self.consts),
             rt.card,
         )
+        #: the recipe as (kind, index) pairs, the order ``launch`` executes them in
+        self.plan = tuple((st.kind, st.index) for st in self.recipe.steps)
+        self._out_nbytes = tuple(lay.nbytes for lay in self.out_layouts)
         self._runner: Any = None
         self._device_array: Any = None
 
@@ -436,29 +439,28 @@ def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
         raise TypeError(
             f"spyre: {exe.kernel.name} takes {len(exe.in_layouts)} arguments, got {len(args)}"
         )
-    resident = [a for a in args if isinstance(a, DeviceBuffer)]
-    for a in resident:
-        if a.rt is not rt:
-            raise ValueError(
-                "spyre: an argument lives on a previous card (before set_card); "
-                "copy it to the host and back"
-            )
-        if not a.alive:
-            a.payload()  # raises: freed
+    resident = []
+    for a in args:
+        if type(a) is DeviceBuffer:
+            if a.rt is not rt:
+                raise ValueError(
+                    "spyre: an argument lives on a previous card (before set_card); "
+                    "copy it to the host and back"
+                )
+            resident.append(a.addr)
     if resident:
-        q.check_reads(sid, "run_kernel", exe.step_name, [a.addr for a in resident])
+        q.check_reads(sid, "run_kernel", exe.step_name, resident)
     bufs: list[DeviceBuffer] = list(args)
     temps: list[DeviceBuffer] = []
     outs: list[DeviceBuffer] = []
     try:
-        for step in exe.recipe.steps:
-            if step.kind == "copy_in":
-                x = args[step.index]
-                if not isinstance(x, DeviceBuffer):
-                    b = copy_in(x, exe.in_layouts[step.index], rt=rt, tag="launch_arg")
+        for kind, index in exe.plan:
+            if kind == "copy_in":
+                if type(args[index]) is not DeviceBuffer:
+                    b = copy_in(args[index], exe.in_layouts[index], rt=rt, tag="launch_arg")
                     temps.append(b)
-                    bufs[step.index] = b
-            elif step.kind == "run_kernel":
+                    bufs[index] = b
+            elif kind == "run_kernel":
                 outs = _run_kernel(exe, bufs, temps, sid)
             # copy_out steps are taken when the host reads a result (copy_out)
     finally:
@@ -471,15 +473,14 @@ def _run_kernel(
     exe: Executable, bufs: list[DeviceBuffer], temps: list[DeviceBuffer], sid: int
 ) -> list[DeviceBuffer]:
     rt = exe.rt
-    runner = exe.runner()
-    payloads = []
-    for b in bufs:
-        p = b.payload()
-        if isinstance(p, np.ndarray) and all(b is not t for t in temps):
-            p = exe._device_array(p)  # a resident host payload becomes a card array once
-            b.store(p)
-        payloads.append(p)
-    payloads += [c.payload() for c in exe.consts]
+    runner = exe._runner or exe.runner()
+    payloads = [b.payload() for b in bufs]
+    for i, p in enumerate(payloads):
+        if type(p) is np.ndarray and bufs[i] not in temps:
+            p = payloads[i] = exe._device_array(p)  # a resident host payload: a card array once
+            bufs[i].store(p)
+    if exe.consts:
+        payloads += [c.payload() for c in exe.consts]
     with rt.lock:
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
@@ -492,15 +493,15 @@ def _run_kernel(
     if len(addrs) > nout:
         rt.memory.free(addrs[-1])  # the workspace of intermediates
     outs = []
-    for a, lay, r in zip(addrs[:nout], exe.out_layouts, results, strict=True):
-        rt.memory.store(a, r, lay.nbytes)
-        outs.append(DeviceBuffer(rt, a, lay.nbytes, lay))
+    for a, lay, n, r in zip(addrs, exe.out_layouts, exe._out_nbytes, results, strict=False):
+        rt.memory.store(a, r, n)
+        outs.append(DeviceBuffer(rt, a, n, lay))
     rt.queues.submit(
         sid,
         "run_kernel",
         exe.step_name,
         reads=(*(b.addr for b in bufs), *exe._const_addrs),
-        writes=tuple(a for a in addrs[:nout]),
+        writes=addrs[:nout],
         duration=exe.kernel_seconds,
         detail=exe._cost,
         checked=True,  # launch checked every device-resident argument; copies-in are ours

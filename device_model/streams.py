@@ -47,14 +47,22 @@ __all__ = [
     "StreamError",
     "PIPELINE_OF",
     "DEFAULT_STREAM",
-    "LOW_PRIORITY_IDS",
-    "HIGH_PRIORITY_IDS",
+    "priority_ids",
 ]
 
-#: stream 0 is the default stream; 1-32 are low priority, 33-64 high, as on the card (CARD.md)
+#: stream 0 is the default stream (CARD.md); the others come from the card's priority ranges
 DEFAULT_STREAM = 0
-LOW_PRIORITY_IDS = range(1, 33)
-HIGH_PRIORITY_IDS = range(33, 65)
+
+
+def priority_ids(priority: str, per_priority: int) -> range:
+    """The stream ids of a priority: low ``1..n``, high ``n+1..2n`` with ``n`` streams per
+    priority (``CardSpec.streams_per_priority``; 1-32 and 33-64 on the card)."""
+    return (
+        range(per_priority + 1, 2 * per_priority + 1)
+        if priority == "high"
+        else range(1, per_priority + 1)
+    )
+
 
 #: which pipeline runs each kind of step (None: a marker, no pipeline time)
 PIPELINE_OF = {
@@ -186,6 +194,8 @@ class Queues:
     """The card's streams, pipelines, buffer writers and timeline (one per simulated card)."""
 
     race_mode: str = "raise"
+    #: streams of each priority (``CardSpec.streams_per_priority``)
+    per_priority: int = 32
     streams: dict[int, _StreamState] = field(default_factory=dict)
     pipe_free: dict[str, float] = field(
         default_factory=lambda: {"compute": 0.0, "copy in": 0.0, "copy out": 0.0}
@@ -202,8 +212,8 @@ class Queues:
 
     # ---- streams
     def open_stream(self, priority: str) -> int:
-        """A new stream id from the priority's range (1-32 low, 33-64 high)."""
-        ids = HIGH_PRIORITY_IDS if priority == "high" else LOW_PRIORITY_IDS
+        """A new stream id from the priority's range (:func:`priority_ids`)."""
+        ids = priority_ids(priority, self.per_priority)
         with self.lock:
             for i in ids:
                 st = self.streams.get(i)

@@ -151,7 +151,14 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
 
 
 def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
-    """The figures of ``Compiled.cost_analysis()`` for one kernel."""
+    """The figures of ``Compiled.cost_analysis()`` for one kernel, on the card it was scheduled
+    for (ValueError when ``card`` has another core count or stick size than the kernel's)."""
+    if (k.num_cores, k.stick_bytes) != (card.num_cores, card.stick_bytes):
+        raise ValueError(
+            f"spyre: kernel {k.name} was scheduled for {k.num_cores} cores and "
+            f"{k.stick_bytes}-byte sticks, not for this card's {card.num_cores} cores and "
+            f"{card.stick_bytes}-byte sticks"
+        )
     dtypes = {t.name: t.layout.dtype for t in k.tensors}
     stages = [stage_cost(s, dtypes, card) for s in k.stages]
     padding = sum(t.layout.padding_bytes for t in k.tensors if t.role != "view")

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .card import DEFAULT_CARD
 from .streams import StepRecord
 
 __all__ = ["chrome_trace", "summary", "format_summary", "PIPELINES", "CORE_UNITS", "UNITS"]
@@ -182,11 +183,14 @@ def _clip_overlaps(events: list[dict[str, Any]]) -> None:
         last[key] = e
 
 
-def chrome_trace(records: Sequence[StepRecord], num_cores: int = 32) -> dict[str, Any]:
+def chrome_trace(
+    records: Sequence[StepRecord], num_cores: int = DEFAULT_CARD.num_cores
+) -> dict[str, Any]:
     """Chrome trace-event JSON (object format) of ``records``; see the module docstring.
 
-    ``num_cores``: the card's core count (kernel timelines naming a core outside
-    ``range(num_cores)`` raise ValueError). The result is plain data: ``json.dump`` it.
+    ``num_cores``: the card's core count, ``CardSpec.num_cores`` (kernel timelines naming a
+    core outside ``range(num_cores)`` raise ValueError); the default card's when not given. The
+    result is plain data: ``json.dump`` it.
 
     >>> t = chrome_trace([])
     >>> t["displayTimeUnit"], t["traceEvents"][0]["args"]

@@ -4,14 +4,13 @@ Rules are registered with ``@rule("name", ...)`` next to their bodies. A rule ge
 the equation and its operands (``Var`` or :class:`Lit` for scalar literals) and returns the
 output ``Var`` s. Nested ``jit``/``pjit``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined.
 A primitive with no rule raises :class:`UnsupportedPrimitiveError` naming it, with the equation
-and the user's source line.
+and the user's source line; an exception a rule raises is wrapped once in a
+:class:`~lowering.errors.LoweringRuleError` carrying the same (as ``lowering.from_fx`` does).
+Tests plant a bug by patching :data:`RULES`, the one registry.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +20,9 @@ from jax.extend import core as jcore
 from device_model.layout import SUPPORTED_DTYPES, check_dtype
 
 from .builder import Builder, Lit
-from .errors import LoweringError, UnsupportedPrimitiveError
+from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
 from .graph import Graph, Var
+from .source import user_line
 
 __all__ = ["from_jaxpr", "RULES", "Lit", "rule", "user_source_line"]
 
@@ -49,61 +49,10 @@ def _aval(v: Any) -> tuple[tuple[int, ...], str]:
     return tuple(int(d) for d in v.aval.shape), _dtype_name(v.aval.dtype)
 
 
-#: packages and modules whose frames are never the user's line: JAX and the libraries that wrap
-#: it, this project's own packages, and the stdlib helpers that decorators run through
-_NON_USER_MODULES = (
-    "jax",
-    "jaxlib",
-    "equinox",
-    "jaxtyping",
-    "lowering",
-    "spyre_jax",
-    "device_model",
-    "torch_bridge",
-    "contextlib",
-    "functools",
-)
-
-
-def _norm(path: str) -> str:
-    return os.path.normcase(os.path.abspath(path))
-
-
-@functools.cache
-def _non_user_roots() -> tuple[tuple[str, ...], frozenset[str]]:
-    """(package directories, module files) of :data:`_NON_USER_MODULES` that are installed.
-
-    Found with ``importlib.util.find_spec``, which locates a top-level module without importing
-    it; both the path as imported and its resolved form are kept (frames carry the former).
-    """
-    dirs: set[str] = set()
-    files: set[str] = set()
-    for name in _NON_USER_MODULES:
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):  # pragma: no cover - broken installs
-            spec = None
-        if spec is None:
-            continue
-        if spec.submodule_search_locations:
-            for d in spec.submodule_search_locations:
-                dirs.update({_norm(d), _norm(os.path.realpath(d))})
-        elif spec.origin and os.path.isabs(spec.origin):
-            files.update({_norm(spec.origin), _norm(os.path.realpath(spec.origin))})
-    return tuple(sorted(d.rstrip(os.sep) + os.sep for d in dirs)), frozenset(files)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_user_file(file_name: str) -> bool:
-    """Whether a frame's file is user code: not under JAX, equinox, this project or the stdlib
-    helpers of :data:`_NON_USER_MODULES`, and not a frozen or generated module."""
-    if not file_name or file_name.startswith("<frozen"):
-        return False
-    dirs, files = _non_user_roots()
-    for p in {_norm(file_name), _norm(os.path.realpath(file_name))}:
-        if p in files or p.startswith(dirs):
-            return False
-    return True
+def _frames(source_info: Any) -> list[tuple[str, int, str]]:
+    """The frames of an equation's traceback, innermost first."""
+    tb = getattr(source_info, "traceback", None)
+    return [(f.file_name, f.line_num, f.function_name) for f in getattr(tb, "frames", None) or []]
 
 
 def _user_frame(source_info: Any) -> str:
@@ -112,11 +61,7 @@ def _user_frame(source_info: Any) -> str:
     An equation traced inside a nested ``jit`` (``jnp.sort``, ``jnp.fft.fft`` are jitted
     wrappers) may carry only JAX-internal frames: then there is no user frame here.
     """
-    tb = getattr(source_info, "traceback", None)
-    for f in getattr(tb, "frames", None) or []:
-        if _is_user_file(f.file_name):
-            return f"{f.file_name}:{f.line_num} ({f.function_name})"
-    return ""
+    return user_line(_frames(source_info), fallback=False)
 
 
 def user_source_line(source_info: Any) -> str:
@@ -124,15 +69,7 @@ def user_source_line(source_info: Any) -> str:
 
     Falls back to the innermost frame when every frame is library code, ``""`` without frames.
     """
-    where = _user_frame(source_info)
-    if where:
-        return where
-    tb = getattr(source_info, "traceback", None)
-    frames = getattr(tb, "frames", None) or []
-    if frames:
-        f = frames[0]
-        return f"{f.file_name}:{f.line_num} ({f.function_name})"
-    return ""
+    return user_line(_frames(source_info))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +142,12 @@ def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
         b.source = where
         try:
             outs = fn(b, eqn, args)
+        except PASS_THROUGH:
+            raise
+        except Exception as e:
+            if name in _INLINED:  # the inlined body's own equations reported it as they saw fit
+                raise
+            raise rule_error("JAX", name, _eqn_text(eqn), where, e, _eqn_context(jaxpr, eqn)) from e
         finally:
             b.source = saved
         for v, o in zip(eqn.outvars, outs, strict=True):

@@ -10,6 +10,9 @@
   in-program reduction on the consumer's resident rows: softmax and layernorm become one map
   that loads its input once and stores its output once;
 * ``dce`` drops nodes whose results nobody uses.
+
+The passes that look at device layouts (which reshapes are free, what a fusion saves in traffic)
+take the card: :func:`lowering.pipeline.graph_passes` binds it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from device_model.card import CardSpec
 from device_model.layout import layout_for
 from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
@@ -27,9 +31,12 @@ __all__ = ["to_maps", "fuse_maps", "dce", "is_free_reshape", "MAX_MAP_INPUTS"]
 MAX_MAP_INPUTS = 8
 
 
-def is_free_reshape(src: tuple[int, ...], dst: tuple[int, ...], dtype: str) -> bool:
-    """A reshape the device does for free: the padded row-major buffers coincide."""
-    a, b = layout_for(src, dtype), layout_for(dst, dtype)
+def is_free_reshape(
+    src: tuple[int, ...], dst: tuple[int, ...], dtype: str, stick_bytes: int
+) -> bool:
+    """A reshape the device does for free: the padded row-major buffers (sticks of
+    ``stick_bytes``) coincide."""
+    a, b = layout_for(src, dtype, stick_bytes), layout_for(dst, dtype, stick_bytes)
     if a.nbytes != b.nbytes:
         return False
     if src and dst and src[-1] == dst[-1]:
@@ -68,7 +75,7 @@ def _map(
     return Node("map", tuple(inputs), n.outputs, params(body=body), n.source)
 
 
-def _single(n: Node) -> Node | None:
+def _single(n: Node, card: CardSpec) -> Node | None:
     op, out = n.op, n.out
     if op == "elementwise":
         nvar = len(n.inputs)
@@ -126,7 +133,7 @@ def _single(n: Node) -> Node | None:
         )
     if op == "reshape":
         (x,) = n.inputs
-        if is_free_reshape(x.shape, out.shape, x.dtype):
+        if is_free_reshape(x.shape, out.shape, x.dtype, card.stick_bytes):
             return None
         view = _unit_reshape_view(x.shape, out.shape)
         if view is None:
@@ -135,11 +142,12 @@ def _single(n: Node) -> Node | None:
     return None
 
 
-def to_maps(g: Graph) -> Graph:
-    """Every SFU-side op becomes a single-op ``map`` node."""
+def to_maps(g: Graph, card: CardSpec) -> Graph:
+    """Every SFU-side op becomes a single-op ``map`` node (a reshape that is free on ``card``'s
+    layouts stays a reshape)."""
     nodes = []
     for n in g.nodes:
-        m = _single(n)
+        m = _single(n, card)
         nodes.append(m if m is not None else n)
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)
 
@@ -352,13 +360,13 @@ def _absorb(p: Node, c: Node) -> Node | None:
     return c
 
 
-def _nbytes(v: Var) -> int:
-    return layout_for(v.shape, v.dtype).nbytes
-
-
-def _worth(p: Node, consumers: list[Node]) -> bool:
+def _worth(p: Node, consumers: list[Node], stick_bytes: int) -> bool:
     """Recomputing ``p`` in each consumer moves no more device-memory bytes than storing its
     result once and loading it in each: each consumer loads ``p``'s inputs it did not read."""
+
+    def _nbytes(v: Var) -> int:
+        return layout_for(v.shape, v.dtype, stick_bytes).nbytes
+
     ins = {v.id: v for v in p.inputs}
     before = sum(map(_nbytes, ins.values())) + _nbytes(p.out) * (1 + len(consumers))
     after = sum(
@@ -368,11 +376,12 @@ def _worth(p: Node, consumers: list[Node]) -> bool:
 
 
 class _Fuser:
-    """One :func:`fuse_maps` run: the graph's outputs, the ``fits`` check and a memo of the
-    merges tried (nodes are immutable, so a merge tried once need not be tried again)."""
+    """One :func:`fuse_maps` run: the graph's outputs, the ``fits`` check, the card's stick size
+    and a memo of the merges tried (nodes are immutable, so a merge tried once need not be tried
+    again)."""
 
-    def __init__(self, outputs: set[int], fits: Callable[[Node], bool] | None):
-        self.outputs, self.fits = outputs, fits
+    def __init__(self, outputs: set[int], fits: Callable[[Node], bool] | None, stick_bytes: int):
+        self.outputs, self.fits, self.stick_bytes = outputs, fits, stick_bytes
         self.memo: dict[tuple, Node | None] = {}
 
     def _checked(self, key: tuple, make: Callable[[], Node | None]) -> Node | None:
@@ -424,24 +433,27 @@ class _Fuser:
                     break
                 merged[i] = m
             else:
-                if _worth(p, [nodes[i] for i in users]):
+                if _worth(p, [nodes[i] for i in users], self.stick_bytes):
                     return [merged.get(j, n) for j, n in enumerate(nodes)]
         return None
 
 
-def fuse_maps(g: Graph, fits: Callable[[Node], bool] | None = None) -> Graph:
+def fuse_maps(
+    g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None = None
+) -> Graph:
     """Merge producer maps into consumer maps until nothing more fuses.
 
     A map merges into its only consumer (a view into any consumer); then a producer, also one
     ending in a reduction, is recomputed in all its consumers at once when each can take it
     (:func:`_space_view`: a reduction only into a consumer that reads it broadcast over the
     reduced axes and has its pre-reduction space) and recomputing moves no more bytes
-    (:func:`_worth`). With ``fits``, each merged map must still be schedulable (``fits(node)``;
-    the pipeline passes the tiler's check for the card): a fusion that would need whole rows the
-    scratchpad cannot hold is not made, and the unfused stages are scheduled instead.
+    (:func:`_worth`, counted in ``card``'s stick layouts). With ``fits``, each merged map must
+    still be schedulable (``fits(node)``; the pipeline passes the tiler's check for the card): a
+    fusion that would need whole rows the scratchpad cannot hold is not made, and the unfused
+    stages are scheduled instead.
     """
     nodes = list(g.nodes)
-    fuser = _Fuser({v.id for v in g.outputs}, fits)
+    fuser = _Fuser({v.id for v in g.outputs}, fits, card.stick_bytes)
     while (fused := fuser.step(nodes)) is not None:
         nodes = list(dce(Graph(g.name, g.inputs, tuple(fused), g.outputs, g.consts)).nodes)
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)

@@ -6,7 +6,6 @@ Set ``SPYRE_DUMP=1`` to print the IR after every pass; ``SPYRE_CHECK=0`` skips t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -22,18 +21,20 @@ __all__ = ["compile_graph", "graph_passes"]
 
 
 def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], ...]:
-    """The graph passes in order. Fusion asks the tiler whether each map it merges still fits
-    ``card``'s scratchpad (a row-resident softmax needs its whole rows there)."""
+    """The graph passes in order, each bound to ``card`` where it looks at device layouts.
+    Fusion asks the tiler whether each map it merges still fits ``card``'s scratchpad (a
+    row-resident softmax needs its whole rows there)."""
     fits = functools.partial(map_fits, card=card)
     return (
-        ("to_maps", to_maps),
-        ("fuse_maps", functools.partial(fuse_maps, fits=fits)),
+        ("to_maps", functools.partial(to_maps, card=card)),
+        ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),
         ("dce", dce),
     )
 
 
 def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Kernel:
-    """Graph IR -> fused graph -> tiled schedule (a :class:`Kernel`)."""
+    """Graph IR -> fused graph -> tiled schedule (a :class:`Kernel` for ``card``: its layouts,
+    core count, scratchpad and DL16 rounding are the card's)."""
     check = os.environ.get("SPYRE_CHECK", "1") != "0" if check is None else check
     dump = os.environ.get("SPYRE_DUMP", "") not in ("", "0")
     if check:
@@ -47,8 +48,6 @@ def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Ker
         if dump:
             print(f"=== {g.name}: after {name}\n{g}")
     k = schedule(g, card)
-    if card.dl16_rounding:
-        k = dataclasses.replace(k, dl16=True)
     if check:
         check_kernel(k)
     if dump:

@@ -1,13 +1,15 @@
-"""From a fused graph to the schedule IR: layouts, tiling over 32 cores and into scratchpad.
+"""From a fused graph to the schedule IR: layouts, tiling over the cores and into scratchpad.
 
 For each node the tiler picks block sizes (whole sticks along every stick dimension, exact
 divisors elsewhere), so that the tiles spread over the cores and the stage's scratchpad plan fits
 the usable scratchpad; the plan is double-buffered when the stage has more than one step. Then the
-work is divided (tile p runs on core p % 32 at step p // 32) and the load, ring and store tables
-are built: a block several cores need in one step is loaded by the first of them and forwarded
-over the ring to the rest. A plan that does not fit is never emitted: the tiler splits further
-(a reduction whose output rows cannot be tiled finely enough writes one element per stick to a
-temp, then packs it), and raises :class:`TilingError` only when no split fits.
+work is divided (tile p runs on core p % n at step p // n, n the card's ``num_cores``) and the
+load, ring and store tables are built: a block several cores need in one step is loaded by the
+first of them and forwarded over the ring to the rest. A plan that does not fit is never
+emitted: the tiler splits further (a reduction whose output rows cannot be tiled finely enough
+writes one element per stick to a temp, then packs it), and raises :class:`TilingError` only
+when no split fits. Every figure of the card (cores, stick size, usable scratchpad, bandwidths)
+comes from the :class:`~device_model.card.CardSpec` passed in.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from .passes import is_free_reshape
 __all__ = ["schedule", "map_fits"]
 
 
-def _align(n: int, a: int = 128) -> int:
+def _align(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a`` (the card's stick size)."""
     return -(-n // a) * a
 
 
@@ -70,6 +73,12 @@ class _Ctx:
 
     def name(self, v: Var) -> str:
         return self.names[v.id]
+
+    def plan_bytes(self, blocks: list[tuple[tuple[int, ...], str]], slots: int) -> int:
+        return _plan_bytes(blocks, slots, self.card.stick_bytes)
+
+    def sp_plan(self, bufs: list[tuple[str, tuple[int, ...], str, int]]) -> tuple[SpBuf, ...]:
+        return _sp_plan(bufs, self.card.stick_bytes)
 
     def layout(self, v: Var) -> TensorLayout:
         return self.decls[self.name(v)].layout
@@ -188,17 +197,19 @@ def _tables(
     return tuple(loads), tuple(ring), tuple(stores), tuple(first), tuple(last)
 
 
-def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]]) -> tuple[SpBuf, ...]:
+def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]], stick: int) -> tuple[SpBuf, ...]:
+    """Lay the buffers out one after another, each slot a whole number of sticks."""
     out, off = [], 0
     for name, block, dtype, slots in bufs:
-        sb = _align(math.prod(block) * DTYPES[dtype])
+        sb = _align(math.prod(block) * DTYPES[dtype], stick)
         out.append(SpBuf(name, off, sb, slots, tuple(block), dtype))
         off += sb * slots
     return tuple(out)
 
 
-def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int) -> int:
-    return sum(_align(math.prod(b) * DTYPES[d]) * slots for b, d in blocks)
+def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int, stick: int) -> int:
+    """Scratchpad bytes of buffers for ``blocks``, ``slots`` each, each slot whole sticks."""
+    return sum(_align(math.prod(b) * DTYPES[d], stick) * slots for b, d in blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +358,7 @@ def _map_plan(
     def plan(bl: list[int], multi: bool) -> int:
         ib, ob = blocks_for(bl)
         items = [(b, lay.dtype) for b, lay in zip(ib, in_lays, strict=True)]
-        return _plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
+        return ctx.plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
 
     bl = _choose(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({_describe(body)})", source)
     if dry:
@@ -371,7 +382,7 @@ def _map_plan(
     output = Operand(out_name, ob, ogd, "out")
     ntiles = math.prod(grid)
     slots = 2 if ntiles > ctx.ncores else 1
-    scratch = _sp_plan(
+    scratch = ctx.sp_plan(
         [
             (f"in{i}", op.block, lay.dtype, slots)
             for i, (op, lay) in enumerate(zip(inputs, in_lays, strict=True))
@@ -446,6 +457,11 @@ def _describe(body: MapBody) -> str:
     return ",".join(ops[:6]) + (f" then {body.reduce}" if body.reduce else "")
 
 
+#: the tiler's guess at a step's fixed cost when it ranks matmul tilings (a tie-breaker that
+#: favours fewer steps; a heuristic of the tiler, not a figure of the card or the timing model)
+_STEP_OVERHEAD_S = 1e-7
+
+
 def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
@@ -472,9 +488,9 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
         slots = 2 if steps > 1 else 1
         tkp = Kp if tk == K else tk
         plan = (
-            _plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots)
-            + _plan_bytes([((1, tm, tno), lo.dtype)], slots)
-            + _plan_bytes([((1, tm, tn), "float32")], 1)
+            ctx.plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots)
+            + ctx.plan_bytes([((1, tm, tno), lo.dtype)], slots)
+            + ctx.plan_bytes([((1, tm, tn), "float32")], 1)
         )
         if plan > ctx.cap:
             continue
@@ -485,7 +501,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
             uniq_a * tm * tkp * la.itemsize + uniq_b * tk * tn * lb.itemsize
         ) / card.device_memory_bw
         comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
-        est = load + (steps - 1) * max(load, comp) + comp + steps * 1e-7
+        est = load + (steps - 1) * max(load, comp) + comp + steps * _STEP_OVERHEAD_S
         cands_all.append((est, steps, tm, (tn, tno), tk))
     if cands_all:
         # among tilings within 10% of the fastest, the one with the fewest steps
@@ -511,7 +527,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 2 if steps > 1 else 1
-    scratch = _sp_plan(
+    scratch = ctx.sp_plan(
         [
             ("lhs", lhs.block, la.dtype, slots),
             ("rhs", rhs.block, lb.dtype, slots),
@@ -546,7 +562,7 @@ def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     def plan(bl: list[int], multi: bool) -> int:
         tr, td = bl
         trp = li.device_shape[0] if tr == N else tr
-        return _plan_bytes([((trp,), "int32"), ((tr, td), lo.dtype)], 2 if multi else 1)
+        return ctx.plan_bytes([((trp,), "int32"), ((tr, td), lo.dtype)], 2 if multi else 1)
 
     tr, td = _choose([N, Dp], [tr_c, td_c], plan, ctx.cap, ctx.ncores, "gather", n.source)
     trp = li.device_shape[0] if tr == N else tr
@@ -554,7 +570,9 @@ def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     iop = Operand(ctx.name(idx), (trp,), (0 if tr != N else -1,), "idx")
     out = Operand(ctx.name(n.out), (tr, td), (0, 1), "rows")
     slots = 2 if math.prod(grid) > ctx.ncores else 1
-    scratch = _sp_plan([("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)])
+    scratch = ctx.sp_plan(
+        [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
+    )
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
     body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"), n.p("fill_value"))
     return Stage(
@@ -587,7 +605,7 @@ def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
     def plan(bl: list[int], multi: bool) -> int:
         ro = bl[0]
         ri = ro * l_out // l_in
-        return _plan_bytes(
+        return ctx.plan_bytes(
             [((ri, li.device_shape[1]), x.dtype), ((ro, lo.device_shape[1]), x.dtype)],
             2 if multi else 1,
         )
@@ -598,7 +616,7 @@ def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
     iop = Operand(vin, (ri, li.device_shape[1]), (0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (0, -1), "out")
     slots = 2 if grid[0] > ctx.ncores else 1
-    scratch = _sp_plan([("in", iop.block, x.dtype, slots), ("out", out.block, x.dtype, slots)])
+    scratch = ctx.sp_plan([("in", iop.block, x.dtype, slots), ("out", out.block, x.dtype, slots)])
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
     return Stage(
         f"s{len(ctx.stages)}",
@@ -635,7 +653,7 @@ def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
     def plan(bl: list[int], multi: bool) -> int:
         ib, ob = blocks(bl[0])
         items = [(b, lay.dtype) for b, lay in zip(ib, lays, strict=True)] + [(ob, lo.dtype)]
-        return _plan_bytes(items, 2 if multi else 1)
+        return ctx.plan_bytes(items, 2 if multi else 1)
 
     (b0,) = _choose([e0], [cands], plan, ctx.cap, ctx.ncores, "concatenate", n.source)
     ib, ob = blocks(b0)
@@ -647,7 +665,7 @@ def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
     ]
     out = Operand(ctx.name(n.out), ob, gd, "out")
     slots = 2 if grid[0] > ctx.ncores else 1
-    scratch = _sp_plan(
+    scratch = ctx.sp_plan(
         [
             (f"in{i}", op.block, lay.dtype, slots)
             for i, (op, lay) in enumerate(zip(inputs, lays, strict=True))
@@ -690,7 +708,7 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
             ctx.declare(o, "temp")
         if n.op == "reshape":
             (x,) = n.inputs
-            if is_free_reshape(x.shape, n.out.shape, x.dtype):
+            if is_free_reshape(x.shape, n.out.shape, x.dtype, card.stick_bytes):
                 # the output is a view of the input's buffer: no stage, no traffic
                 nm = ctx.name(n.out)
                 ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "view")
@@ -718,7 +736,9 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         inputs,
         tuple(outs),
         tuple(ctx.aliases),
-        card.num_cores,
-        ctx.cap,
+        num_cores=card.num_cores,
+        sp_capacity=ctx.cap,
+        stick_bytes=card.stick_bytes,
+        dl16=card.dl16_rounding,
         consts=consts,
     )

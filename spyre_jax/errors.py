@@ -3,13 +3,19 @@
 from device_model.kernel import ScheduleError
 from device_model.memory import DeviceOOMError
 from device_model.streams import RaceError, RaceWarning, StreamError
-from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
+from lowering.errors import (
+    LoweringError,
+    LoweringRuleError,
+    TilingError,
+    UnsupportedPrimitiveError,
+)
 from lowering.graph import GraphError
 
 __all__ = [
     "DeviceOOMError",
     "GraphError",
     "LoweringError",
+    "LoweringRuleError",
     "RaceError",
     "RaceWarning",
     "StreamError",

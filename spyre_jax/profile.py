@@ -44,7 +44,7 @@ class Profile:
         self.print_summary = print_summary
         self.records: list[StepRecord] = []
         self._queues: Queues | None = None
-        self._num_cores = 32
+        self._num_cores = runtime().card.num_cores
         self._trace: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
 

@@ -246,7 +246,7 @@ def test_rows_too_long_for_the_scratchpad_fall_back(small_card, name):
     assert low.compile().cost_analysis()["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
     # fused regardless of the card, the one stage would not tile
     g = _graph(f, x)
-    fused = dce(fuse_maps(to_maps(g)))
+    fused = dce(fuse_maps(to_maps(g, CardSpec()), CardSpec()))
     (node,) = [n for n in fused.nodes if n.op == "map"]
     assert not map_fits(node, card) and map_fits(node, CardSpec())
     with pytest.raises(TilingError):
@@ -302,7 +302,7 @@ def test_fusion_keeps_the_work_count(f, same):
     x = _arr((64, 256), F32, seed=22)
     g, card = _graph(f, x), CardSpec()
     fused = compile_graph(g, card)
-    unfused = schedule(dce(to_maps(g)), card)
+    unfused = schedule(dce(to_maps(g, card)), card)
     assert len(fused.stages) == 1 < len(unfused.stages)
     for attr in ("flops", "sfu_elem_ops"):
         got, want = getattr(fused.stages[0], attr), sum(getattr(s, attr) for s in unfused.stages)

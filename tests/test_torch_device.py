@@ -75,6 +75,23 @@ def test_entry_point_and_import_torch_alone():
     assert out.stdout.strip() == "spyre:0 [0.0, 1.0, 2.0, 3.0]"
 
 
+
+@pytest.mark.parametrize("first", ["lowering.from_fx", "lowering.fx_tensor", "torch_bridge"])
+def test_device_loads_when_our_fx_importer_imports_torch_first(first):
+    # regression: the first ``import torch`` of a process happening inside lowering's FX importer
+    # loaded the spyre plugin, which stands on that importer, half-way through it (a
+    # RuntimeError "Failed to load the backend extension: spyre" out of ``import torch``)
+    code = (
+        f"import {first}\n"
+        "import sys, torch\n"
+        "assert torch._C._get_privateuse1_backend_name() == 'spyre'\n"
+        "assert 'jax' not in sys.modules, 'jax imported at import torch'\n"
+        "print((torch.arange(3.0).to('spyre') * 2).cpu().tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0.0, 2.0, 4.0]"
+
 # ---------------------------------------------------------------------------------------------
 # memory: storages are regions of the card's device memory
 

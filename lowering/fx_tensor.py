@@ -1,0 +1,393 @@
+"""torch FX rules: layout and movement, reductions, matmuls and gathers.
+
+They register into :data:`lowering.fx_common.RULES` when ``lowering.from_fx`` imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import torch_import
+from .builder import Builder, Lit
+from .fx_common import (
+    bcast,
+    card_dtype,
+    convert,
+    ew_raw,
+    meta_val,
+    norm_dim,
+    norm_dims,
+    operand,
+    result,
+    rule,
+)
+from .graph import Var
+from .torch_import import torch
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------
+# rules: layout and movement
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(b: Builder, node: torch.fx.Node, x: Var, size: Any) -> Var:
+    shape, _ = result(node)
+    return b.reshape(x, shape)
+
+
+@rule(aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(b: Builder, node: torch.fx.Node, x: Var, *a: Any) -> Var:
+    shape, _ = result(node)
+    return b.reshape(x, shape)
+
+
+@rule(aten.permute.default)
+def _permute(b: Builder, node: torch.fx.Node, x: Var, dims: Any) -> Var:
+    return b.transpose(x, tuple(norm_dim(int(d), len(x.shape)) for d in dims))
+
+
+@rule(aten.t.default)
+def _t(b: Builder, node: torch.fx.Node, x: Var) -> Var:
+    return b.transpose(x, (1, 0)) if len(x.shape) == 2 else x
+
+
+@rule(aten.transpose.int)
+def _transpose(b: Builder, node: torch.fx.Node, x: Var, d0: int, d1: int) -> Var:
+    r = len(x.shape)
+    perm = list(range(r))
+    d0, d1 = norm_dim(d0, r), norm_dim(d1, r)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return b.transpose(x, tuple(perm))
+
+
+@rule(aten.expand.default)
+def _expand(b: Builder, node: torch.fx.Node, x: Var, size: Any, **kw: Any) -> Var:
+    shape, _ = result(node)
+    return bcast(b, x, shape)
+
+
+def _slice_dim(b: Builder, x: Var, dim: int, start: int, end: int, step: int = 1) -> Var:
+    r = len(x.shape)
+    n = x.shape[dim]
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    if start == 0 and end == n and step == 1:
+        return x
+    st = [0] * r
+    li = list(x.shape)
+    sd = [1] * r
+    st[dim], li[dim], sd[dim] = start, end, step
+    shape = list(x.shape)
+    shape[dim] = max(0, -(-(end - start) // step))
+    return b.emit(
+        "slice", [x], tuple(shape), x.dtype, starts=tuple(st), limits=tuple(li), strides=tuple(sd)
+    )
+
+
+@rule(aten.slice.Tensor)
+def _slice(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    dim: int = 0,
+    start: Any = None,
+    end: Any = None,
+    step: int = 1,
+) -> Var:
+    d = norm_dim(dim, len(x.shape))
+    n = x.shape[d]
+    return _slice_dim(
+        b,
+        x,
+        d,
+        0 if start is None else int(start),
+        n if end is None else min(int(end), n),
+        int(step),
+    )
+
+
+@rule(aten.select.int)
+def _select(b: Builder, node: torch.fx.Node, x: Var, dim: int, index: int) -> Var:
+    d = norm_dim(dim, len(x.shape))
+    i = index + x.shape[d] if index < 0 else index
+    shape, _ = result(node)
+    return b.reshape(_slice_dim(b, x, d, i, i + 1), shape)
+
+
+@rule(aten.split_with_sizes.default, aten.split.Tensor)
+def _split(b: Builder, node: torch.fx.Node, x: Var, sizes: Any, dim: int = 0) -> tuple:
+    d = norm_dim(dim, len(x.shape))
+    n = x.shape[d]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)]
+    outs, start = [], 0
+    for s in sizes:
+        outs.append(_slice_dim(b, x, d, start, start + int(s)))
+        start += int(s)
+    return tuple(outs)
+
+
+@rule(aten.cat.default)
+def _cat(b: Builder, node: torch.fx.Node, xs: Any, dim: int = 0) -> Var:
+    shape, dt = result(node)
+    vs = [convert(b, x, dt) for x in xs if isinstance(x, Var) and math.prod(x.shape) > 0]
+    if len(vs) == 1:
+        return vs[0]
+    d = norm_dim(dim, len(shape))
+    return b.emit("concatenate", vs, shape, dt, axis=d)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: reductions
+
+
+def _reduce(b: Builder, x: Var, kind: str, axes: tuple[int, ...], keep: bool, dt: str) -> Var:
+    if not axes:
+        return convert(b, x, dt)
+    shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
+    r = b.emit("reduce", [x], shape, dt, kind=kind, axes=axes)
+    if keep:
+        r = b.reshape(r, tuple(1 if i in axes else s for i, s in enumerate(x.shape)))
+    return r
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def _sum(
+    b: Builder, node: torch.fx.Node, x: Var, dims: Any = None, keepdim: bool = False, **kw: Any
+) -> Var:
+    _, dt = result(node)
+    return _reduce(b, convert(b, x, dt), "sum", norm_dims(dims, len(x.shape)), keepdim, dt)
+
+
+@rule(aten.mean.dim, aten.mean.default)
+def _mean(
+    b: Builder, node: torch.fx.Node, x: Var, dims: Any = None, keepdim: bool = False, **kw: Any
+) -> Var:
+    shape, dt = result(node)
+    axes = norm_dims(dims, len(x.shape))
+    s = _reduce(b, convert(b, x, dt), "sum", axes, keepdim, dt)
+    n = math.prod(x.shape[a] for a in axes)
+    return b.elementwise("div", [s, Lit(float(n), dt)], s.shape, dt)
+
+
+@rule(aten.amax.default, aten.amin.default)
+def _amax(b: Builder, node: torch.fx.Node, x: Var, dims: Any = (), keepdim: bool = False) -> Var:
+    _, dt = result(node)
+    kind = "max" if node.target is aten.amax.default else "min"
+    return _reduce(b, x, kind, norm_dims(dims or None, len(x.shape)), keepdim, dt)
+
+
+@rule(aten.max.dim, aten.min.dim)
+def _max_dim(b: Builder, node: torch.fx.Node, x: Var, dim: int, keepdim: bool = False) -> tuple:
+    d = norm_dim(dim, len(x.shape))
+    big = node.target is aten.max.dim
+    v = _reduce(b, x, "max" if big else "min", (d,), keepdim, x.dtype)
+    i = _reduce(b, x, "argmax" if big else "argmin", (d,), keepdim, "int32")
+    return (v, i)
+
+
+@rule(aten.argmax.default, aten.argmin.default)
+def _argmax(b: Builder, node: torch.fx.Node, x: Var, dim: Any = None, keepdim: bool = False) -> Var:
+    kind = "argmax" if node.target is aten.argmax.default else "argmin"
+    if dim is None:
+        x = b.reshape(x, (math.prod(x.shape),))
+        dim = 0
+    return _reduce(b, x, kind, (norm_dim(dim, len(x.shape)),), keepdim, "int32")
+
+
+@rule(aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.default)
+def _any(b: Builder, node: torch.fx.Node, x: Var, dim: Any = None, keepdim: bool = False) -> Var:
+    is_any = node.target in (aten.any.dim, aten.any.dims, aten.any.default)
+    v = convert(b, convert(b, x, "bool"), "int32")
+    r = _reduce(b, v, "max" if is_any else "min", norm_dims(dim, len(x.shape)), keepdim, "int32")
+    return convert(b, r, "bool")
+
+
+@rule(aten.cumsum.default)
+def _cumsum(b: Builder, node: torch.fx.Node, x: Var, dim: int, **kw: Any) -> Var:
+    shape, dt = result(node)
+    return b.emit(
+        "reduce", [convert(b, x, dt)], shape, dt, kind="cumsum", axes=(norm_dim(dim, len(x.shape)),)
+    )
+
+
+@rule(aten.var.correction, aten.var.dim)
+def _var(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    dims: Any = None,
+    *a: Any,
+    correction: Any = None,
+    keepdim: bool = False,
+    unbiased: Any = None,
+) -> Var:
+    shape, dt = result(node)
+    if a and isinstance(a[0], bool):  # var.dim(x, dims, unbiased, keepdim)
+        unbiased = a[0]
+        keepdim = a[1] if len(a) > 1 else keepdim
+    corr = correction if correction is not None else (1 if unbiased in (None, True) else 0)
+    axes = norm_dims(dims, len(x.shape))
+    n = math.prod(x.shape[i] for i in axes)
+    xv = convert(b, x, dt)
+    m = _reduce(b, xv, "sum", axes, True, dt)
+    m = b.elementwise("div", [m, Lit(float(n), dt)], m.shape, dt)
+    dlt = ew_raw(b, "sub", [xv, bcast(b, m, xv.shape)], xv.shape, dt)
+    sq = b.elementwise("mul", [dlt, dlt], xv.shape, dt)
+    s = _reduce(b, sq, "sum", axes, keepdim, dt)
+    return b.elementwise("div", [s, Lit(float(max(n - corr, 0)), dt)], s.shape, dt)
+
+
+@rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(b: Builder, node: torch.fx.Node, x: Var, dim: int, half_to_float: bool) -> Var:
+    shape, dt = result(node)
+    d = norm_dim(dim, len(x.shape))
+    cdt = "float32" if x.dtype != "float32" else dt
+    xv = convert(b, x, cdt)
+    m = bcast(b, _reduce(b, xv, "max", (d,), True, cdt), shape)
+    z = b.elementwise("sub", [xv, m], shape, cdt)
+    e = b.elementwise("exp", [z], shape, cdt)
+    s = bcast(b, _reduce(b, e, "sum", (d,), True, cdt), shape)
+    if node.target is aten._log_softmax.default:
+        r = b.elementwise("sub", [z, b.elementwise("log", [s], shape, cdt)], shape, cdt)
+    else:
+        r = b.elementwise("div", [e, s], shape, cdt)
+    return convert(b, r, dt)
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(
+    b: Builder, node: torch.fx.Node, x: Var, normalized_shape: Any, w: Any, bias: Any, eps: float
+) -> tuple:
+    shape, dt = result(node)
+    k = len(normalized_shape)
+    axes = tuple(range(len(shape) - k, len(shape)))
+    n = math.prod(shape[a] for a in axes)
+    cdt = "float32"
+    xv = convert(b, x, cdt)
+    mean = b.elementwise(
+        "div",
+        [_reduce(b, xv, "sum", axes, True, cdt), Lit(float(n), cdt)],
+        None or tuple(1 if i in axes else s for i, s in enumerate(shape)),
+        cdt,
+    )
+    d = b.elementwise("sub", [xv, bcast(b, mean, shape)], shape, cdt)
+    var = b.elementwise(
+        "div",
+        [
+            _reduce(b, b.elementwise("mul", [d, d], shape, cdt), "sum", axes, True, cdt),
+            Lit(float(n), cdt),
+        ],
+        mean.shape,
+        cdt,
+    )
+    rstd = b.elementwise(
+        "rsqrt",
+        [b.elementwise("add", [var, Lit(float(eps), cdt)], mean.shape, cdt)],
+        mean.shape,
+        cdt,
+    )
+    y = b.elementwise("mul", [d, bcast(b, rstd, shape)], shape, cdt)
+    if isinstance(w, Var):
+        y = b.elementwise("mul", [y, bcast(b, convert(b, w, cdt), shape)], shape, cdt)
+    if isinstance(bias, Var):
+        y = b.elementwise("add", [y, bcast(b, convert(b, bias, cdt), shape)], shape, cdt)
+    stat_dt = card_dtype(meta_val(node)[1].dtype)
+    return (convert(b, y, dt), convert(b, mean, stat_dt), convert(b, rstd, stat_dt))
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: matmul and gathers
+
+
+def _matmul3(b: Builder, a: Var, c: Var, dt: str) -> Var:
+    bsz, m, k = a.shape
+    n = c.shape[2]
+    return b.emit("matmul", [a, c], (bsz, m, n), dt, dtype=dt)
+
+
+@rule(aten.mm.default)
+def _mm(b: Builder, node: torch.fx.Node, x: Var, y: Var) -> Var:
+    shape, dt = result(node)
+    r = _matmul3(b, b.reshape(x, (1, *x.shape)), b.reshape(y, (1, *y.shape)), dt)
+    return b.reshape(r, shape)
+
+
+@rule(aten.bmm.default)
+def _bmm(b: Builder, node: torch.fx.Node, x: Var, y: Var) -> Var:
+    _, dt = result(node)
+    return _matmul3(b, x, y, dt)
+
+
+@rule(aten.addmm.default)
+def _addmm(
+    b: Builder, node: torch.fx.Node, bias: Any, x: Var, y: Var, *, beta: Any = 1, alpha: Any = 1
+) -> Var:
+    shape, dt = result(node)
+    r = b.reshape(_matmul3(b, b.reshape(x, (1, *x.shape)), b.reshape(y, (1, *y.shape)), dt), shape)
+    if alpha != 1:
+        r = b.elementwise("mul", [r, Lit(alpha, dt)], shape, dt)
+    if beta == 0:
+        return r
+    bias_t = operand(b, bias, shape, dt)
+    if beta != 1:
+        bias_t = b.elementwise("mul", [bias_t, Lit(beta, dt)], shape, dt)
+    return b.elementwise("add", [r, bias_t], shape, dt)
+
+
+@rule(aten.embedding.default)
+def _embedding(b: Builder, node: torch.fx.Node, w: Var, idx: Var, *a: Any, **kw: Any) -> Var:
+    shape, dt = result(node)
+    flat = b.reshape(convert(b, idx, "int32"), (math.prod(idx.shape),))
+    width = math.prod(w.shape[1:])
+    tab = b.reshape(w, (w.shape[0], width))
+    g = b.emit("gather", [tab, flat], (flat.shape[0], width), dt, mode="clip")
+    return b.reshape(g, shape)
+
+
+@rule(aten.index_select.default)
+def _index_select(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var) -> Var:
+    shape, dt = result(node)
+    d = norm_dim(dim, len(x.shape))
+    perm = (d, *[i for i in range(len(x.shape)) if i != d])
+    xt = b.transpose(x, perm)
+    flat = b.reshape(convert(b, idx, "int32"), (math.prod(idx.shape),))
+    width = math.prod(xt.shape[1:])
+    g = b.emit(
+        "gather",
+        [b.reshape(xt, (xt.shape[0], width)), flat],
+        (flat.shape[0], width),
+        dt,
+        mode="clip",
+    )
+    g = b.reshape(g, (flat.shape[0], *xt.shape[1:]))
+    inv = tuple(int(i) for i in np.argsort(perm))
+    return b.transpose(g, inv)
+
+
+@rule(aten.gather.default)
+def _gather(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var, **kw: Any) -> Var:
+    """``out[i] = x[i with coordinate dim replaced by idx[i]]``: a row gather on x flattened to
+    one element per row, at offsets computed elementwise from idx and iotas."""
+    shape, dt = result(node)
+    r = len(x.shape)
+    d = norm_dim(dim, r)
+    strides = [math.prod(x.shape[k + 1 :]) for k in range(r)]
+    off = ew_raw(b, "mul", [convert(b, idx, "int32"), strides[d]], shape, "int32")
+    for k in range(r):
+        if k == d:
+            continue
+        io = np.arange(shape[k]).reshape([-1 if j == k else 1 for j in range(r)])
+        iota = b.const(np.broadcast_to(io * strides[k], shape).astype(np.int32), "int32")
+        off = b.elementwise("add", [off, iota], shape, "int32")
+    flat = b.reshape(off, (math.prod(shape),))
+    tab = b.reshape(x, (math.prod(x.shape), 1))
+    g = b.emit("gather", [tab, flat], (flat.shape[0], 1), dt, mode="clip")
+    return b.reshape(g, shape)
+
+
+torch_import.finish(__name__)  # see lowering.torch_import
