@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import rng as _rng
 from jax import lax
 
 import spyre_jax
@@ -26,10 +27,6 @@ def _in_use() -> int:
 
 def _aligned(nbytes: int, alignment: int = CardSpec().stick_bytes) -> int:
     return max(1, -(-nbytes // alignment)) * alignment
-
-
-def _rng(seed: int = 0) -> np.random.Generator:
-    return np.random.default_rng(seed)
 
 
 # ---------------------------------------------------------------------------------------------

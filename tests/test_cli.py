@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from spyre_jax import cli
+from spyre_jax.tools import bench, cli, coverage_common
 
 
 def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
@@ -37,7 +39,7 @@ def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
 
 
 def test_bench_launch_and_softmax_json(capsys):
-    res = cli.bench_launch(calls=50, reps=1)
+    res = bench.bench_launch(calls=50, reps=1)
     assert set(res) == {"launch_us", "jax_dispatch_us", "ratio"}
     assert res["launch_us"] > 0 and res["jax_dispatch_us"] > 0
     assert cli.main(["bench", "softmax", "--json"]) == 0
@@ -53,3 +55,35 @@ def test_bench_sim_json(capsys):
     for v in res.values():
         assert v["sim_s"] > 0 and v["native_s"] > 0
         assert v["ratio"] == pytest.approx(v["sim_s"] / v["native_s"])
+
+
+def test_cli_module_loads_no_torch_jax_equinox():
+    # the command line starts (--help, argument errors) without the heavy frameworks: cli.py on
+    # its own loads none of torch, JAX, equinox; through the package (spyre_jax/__init__ is the
+    # JAX user surface, so it loads JAX) still no torch or equinox
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('spyre_cli', {cli.__file__!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "assert not any(m in sys.modules for m in ('torch', 'jax', 'equinox')), 'cli.py alone'\n"
+        "import spyre_jax.tools.cli\n"
+        "assert not any(m in sys.modules for m in ('torch', 'equinox')), 'through spyre_jax'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_help_exits_zero_and_lists_the_commands():
+    r = subprocess.run(
+        [sys.executable, "-m", "spyre_jax", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    for cmd in ("coverage", "demo", "bench"):
+        assert cmd in r.stdout, cmd
+    assert "the demo and the benchmarks" in r.stdout
+
+
+def test_coverage_description_is_coverage_common_first_line():
+    assert cli.COVERAGE_DESCRIPTION == coverage_common.__doc__.split("\n")[0]

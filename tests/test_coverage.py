@@ -1,23 +1,29 @@
-"""``spyre_jax.coverage``: PyTorch's OpInfo samples and our JAX table through the card."""
+"""``spyre_jax.tools.coverage_*``: PyTorch's OpInfo samples and our JAX table through the card."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+import torch._dynamo.exc
 
-from spyre_jax import coverage as cov
+from lowering.errors import UnsupportedPrimitiveError
+from spyre_jax.tools import cli, coverage_torch
+from spyre_jax.tools import coverage_common as cov
+from spyre_jax.tools.coverage_jax import coverage_jax
+from spyre_jax.tools.jax_ops import JAX_OPS, Arg, JaxOp, Sample, make_samples
 
 
 @pytest.fixture(scope="module")
 def torch_result() -> dict:
-    return cov.coverage_torch(ops=["add", "mul", "tanh", "sort"], limit_samples=2)
+    return coverage_torch.coverage_torch(ops=["add", "mul", "tanh", "sort"], limit_samples=2)
 
 
 @pytest.fixture(scope="module")
 def jax_result() -> dict:
-    return cov.coverage_jax(limit=15)
+    return coverage_jax(limit=15)
 
 
 def _check_structure(res: dict, paths: list[str]) -> None:
@@ -56,11 +62,11 @@ def test_torch_structure_and_statuses(torch_result):
 
 
 def test_torch_skips_nondeterministic_and_unknown_path():
-    res = cov.coverage_torch(ops=["bernoulli"], limit_samples=1, paths=("backend",))
+    res = coverage_torch.coverage_torch(ops=["bernoulli"], limit_samples=1, paths=("backend",))
     rec = res["ops"]["bernoulli"]["backend"]
     assert rec["skipped"] >= 1 and rec["passed"] == rec["error"] == 0
     with pytest.raises(ValueError):
-        cov.coverage_torch(ops=["add"], paths=("gpu",))
+        coverage_torch.coverage_torch(ops=["add"], paths=("gpu",))
 
 
 def test_jax_structure_and_passes(jax_result):
@@ -76,15 +82,36 @@ def test_jax_structure_and_passes(jax_result):
 
 
 def test_jax_table_breadth():
-    names = [c.name for c in cov.jax_cases()]
+    names = [c.name for c in JAX_OPS]
     assert len(names) >= 120 and len(set(names)) == len(names)
     must = ["jnp.matmul", "jnp.einsum(ij,jk)", "jax.nn.softmax", "lax.dynamic_slice"]
     must += ["jnp.take_along_axis", "jnp.cumsum", "jnp.pad", "jax.nn.one_hot"]
     assert set(must) <= set(names)
 
 
+def test_jax_table_is_data():
+    # a module-level list of frozen records, one per op, unique names; samples drawn from them
+    assert isinstance(JAX_OPS, list) and all(isinstance(o, JaxOp) for o in JAX_OPS)
+    names = [o.name for o in JAX_OPS]
+    assert len(set(names)) == len(names)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        JAX_OPS[0].name = "renamed"
+    for o in JAX_OPS:
+        assert o.samples and o.dtypes, o.name
+        assert set(o.dtypes) <= {"float32", "float16", "int32", "bool"}, o.name
+        for s in o.samples:
+            assert isinstance(s, Sample) and callable(s.fn), o.name
+            assert all(isinstance(a, Arg) for a in s.args), o.name
+    exp = next(o for o in JAX_OPS if o.name == "jnp.exp")
+    drawn = make_samples(exp, np.random.default_rng(0), "float16")
+    assert [args[0].shape for _, args in drawn] == [(5, 65), (3, 63), (2, 3, 100)]
+    assert all(args[0].dtype == np.float16 for _, args in drawn)
+    again = make_samples(exp, np.random.default_rng(0), "float16")
+    assert all(np.array_equal(a[1][0], b[1][0]) for a, b in zip(drawn, again, strict=True))
+
+
 def test_jax_unsupported_is_not_error():
-    res = cov.coverage_jax(names=["jnp.sort"])
+    res = coverage_jax(names=["jnp.sort"])
     t = res["totals"]["jit"]
     assert t["unsupported"] > 0 and t["error"] == 0, res["ops"]["jnp.sort"]
 
@@ -100,43 +127,39 @@ def test_format_table(torch_result, jax_result):
 
 def test_close_tolerances():
     w = np.linspace(-3, 3, 50, dtype=np.float32)
-    assert cov._close_np(w + 1e-5, w) is None
-    assert cov._close_np(w + 1e-2, w) is not None
-    assert cov._close_np((w + 1e-2).astype(np.float16), w.astype(np.float16)) is None
-    assert cov._close_np(w.reshape(5, 10), w) is not None
+    assert cov.close_np(w + 1e-5, w) is None
+    assert cov.close_np(w + 1e-2, w) is not None
+    assert cov.close_np((w + 1e-2).astype(np.float16), w.astype(np.float16)) is None
+    assert cov.close_np(w.reshape(5, 10), w) is not None
     i = np.arange(10, dtype=np.int32)
-    assert cov._close_np(i, i) is None and cov._close_np(i + 1, i) is not None
+    assert cov.close_np(i, i) is None and cov.close_np(i + 1, i) is not None
     nan = np.array([np.nan, 1.0], np.float32)
-    assert cov._close_np(nan, nan) is None
-    assert cov._close_np(np.array([0.0, 1.0], np.float32), nan) is not None
+    assert cov.close_np(nan, nan) is None
+    assert cov.close_np(np.array([0.0, 1.0], np.float32), nan) is not None
 
 
 def test_classify_unwraps_dynamo():
-    import torch._dynamo.exc
-
-    from lowering.errors import UnsupportedPrimitiveError
-
     inner = UnsupportedPrimitiveError("ATen", "aten.sort.default", "x = sort(y)", "")
     try:
         raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, inner, None)
     except Exception as e:
-        assert cov._classify(e)[:2] == ("unsupported", "aten.sort.default")
+        assert cov.classify(e)[:2] == ("unsupported", "aten.sort.default")
     dtype_err = TypeError(
         "spyre: a tensor has dtype torch.float64, which the card does not support"
     )
-    assert cov._classify(dtype_err)[:2] == ("unsupported", "dtype float64")
-    assert cov._classify(RuntimeError("boom"))[:2] == ("error", "RuntimeError")
+    assert cov.classify(dtype_err)[:2] == ("unsupported", "dtype float64")
+    assert cov.classify(RuntimeError("boom"))[:2] == ("error", "RuntimeError")
 
 
 def test_main_coverage_json(capsys):
-    assert cov.main_coverage(["jax", "--json", "--limit", "2"]) == 0
+    assert cli.main_coverage(["jax", "--json", "--limit", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["frontend"] == "jax" and len(res["ops"]) == 2
 
 
 def test_device_unavailable_is_skipped(monkeypatch):
-    monkeypatch.setattr(cov, "_device_status", lambda: (False, "no spyre device here"))
-    res = cov.coverage_torch(ops=["tanh"], limit_samples=1)
+    monkeypatch.setattr(coverage_torch, "_device_status", lambda: (False, "no spyre device here"))
+    res = coverage_torch.coverage_torch(ops=["tanh"], limit_samples=1)
     assert res["paths"]["device"] == {
         "status": "unavailable",
         "available": False,
@@ -150,7 +173,7 @@ def test_device_unavailable_is_skipped(monkeypatch):
 def test_isolated_worker_survives_a_crash(monkeypatch):
     # the worker segfaults on tanh's backend run: that sample is an error, the run goes on
     monkeypatch.setenv("SPYRE_COVERAGE_TEST_CRASH", "tanh:backend")
-    res = cov.coverage_torch(
+    res = coverage_torch.coverage_torch(
         ops=["tanh", "sigmoid"], limit_samples=1, paths=("backend",), isolate=True
     )
     tanh = res["ops"]["tanh"]

@@ -9,8 +9,6 @@ against ``jax.jit`` on the CPU with the tolerances of ``tests/test_ops.py``.
 
 from __future__ import annotations
 
-import gc
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -29,19 +27,6 @@ from lowering.passes import dce, fuse_maps, to_maps
 from lowering.pipeline import compile_graph
 from lowering.schedule import map_fits, schedule
 from spyre_jax import CardSpec, TilingError
-
-
-@pytest.fixture
-def small_card():
-    def use(**kw):
-        gc.collect()
-        card = CardSpec().replace(**kw)
-        spyre_jax.set_card(card)
-        return card
-
-    yield use
-    gc.collect()
-    spyre_jax.set_card(CardSpec())
 
 
 def _kernel(f, *xs):

@@ -16,11 +16,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spyre_jax.testing import FrontendGraphsDiffer, assert_frontends_agree
+from lowering.builder import Lit
+from lowering.from_fx import RULES
+from spyre_jax.tools.testing import FrontendGraphsDiffer, assert_frontends_agree
 
 N_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_EXAMPLES", "200"))
 
@@ -176,14 +179,15 @@ def test_program_emitters_agree_with_each_other_on_cpu():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_net_catches_a_planted_lowering_bug():
-    import pytest
+def test_the_net_catches_a_planted_lowering_bug(monkeypatch):
+    # the torch importer's rule for aten.tanh computes 1.01 * tanh(x): the real rule, times a
+    # wrong constant
+    real = RULES[torch.ops.aten.tanh.default]
 
-    import lowering.from_fx as from_fx
+    def wrong_rule(b, node, *args, **kwargs):
+        r = real(b, node, *args, **kwargs)
+        return b.elementwise("mul", [r, Lit(1.01, r.dtype)], r.shape, r.dtype)
 
-    from_fx._PLANTED_BUG = "tanh"
-    try:
-        with pytest.raises(AssertionError, match="torch.compile spyre"):
-            _run(5, 65, [("unary", 0, "tanh"), ("reduce", 1, "sum", 1)], 0)
-    finally:
-        from_fx._PLANTED_BUG = None
+    monkeypatch.setitem(RULES, torch.ops.aten.tanh.default, wrong_rule)
+    with pytest.raises(AssertionError, match="torch.compile spyre"):
+        _run(5, 65, [("unary", 0, "tanh"), ("reduce", 1, "sum", 1)], 0)

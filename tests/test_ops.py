@@ -4,7 +4,6 @@ one hypothesis property."""
 
 from __future__ import annotations
 
-import gc
 import math
 
 import jax
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import rng as _rng
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -49,10 +49,6 @@ def _tol(dtype, k: int = 1, chain: int = 1) -> tuple[float, float]:
     rtol, atol = TOL[np.dtype(dtype)]
     s = math.sqrt(max(k, 1)) * chain
     return rtol * s, atol * s
-
-
-def _rng(seed: int = 0) -> np.random.Generator:
-    return np.random.default_rng(seed)
 
 
 def _arr(shape, dtype, kind: str = "normal", seed: int = 0) -> np.ndarray:
@@ -716,19 +712,6 @@ def test_checkers_pass(name):
 
 # ---------------------------------------------------------------------------------------------
 # tiling under a small scratchpad
-
-
-@pytest.fixture
-def small_card():
-    def use(**kw):
-        gc.collect()
-        card = CardSpec().replace(**kw)
-        spyre_jax.set_card(card)
-        return card
-
-    yield use
-    gc.collect()
-    spyre_jax.set_card(CardSpec())
 
 
 def test_small_scratchpad_matmul_512(small_card):

@@ -13,7 +13,6 @@ output dtype (about one ulp of the dtype). The logical result is also checked ag
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 from typing import Any
 
@@ -36,7 +35,6 @@ from device_model.reference import (
     run_kernel_reference,
 )
 from device_model.runtime import to_device_layout
-from spyre_jax import CardSpec
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
@@ -317,19 +315,6 @@ def test_matmul_mixed_padding():
 def test_matmul_bf16_with_epilogue():
     a, b = _arr((65, 128), BF16, seed=40), _arr((128, 64), BF16, seed=41)
     _check(lambda x, y: jax.nn.gelu(x @ y), a, b, k=128, chain=3)
-
-
-@pytest.fixture
-def small_card():
-    def use(**kw: Any) -> CardSpec:
-        gc.collect()
-        card = CardSpec().replace(**kw)
-        spyre_jax.set_card(card)
-        return card
-
-    yield use
-    gc.collect()
-    spyre_jax.set_card(CardSpec())
 
 
 @pytest.mark.parametrize(

@@ -27,11 +27,7 @@ def recorded():
         q.recording.remove(recs)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_card():
-    spyre_jax.set_card(spyre_jax.CardSpec())
-    yield
-    spyre_jax.set_race_mode("raise")
+pytestmark = pytest.mark.usefixtures("fresh_card")
 
 
 def _overlap(a: StepRecord, b: StepRecord) -> float:

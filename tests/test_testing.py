@@ -1,4 +1,4 @@
-"""spyre_jax.testing: the four-path differential tool, its graph diff, and the weight helpers."""
+"""spyre_jax.tools.testing: the four-path differential tool, its graph diff, the weight helpers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import lowering.from_fx as from_fx
-from spyre_jax.testing import (
+from lowering.builder import Lit
+from lowering.from_fx import RULES
+from spyre_jax.tools.testing import (
     FrontendGraphsDiffer,
     assert_frontends_agree,
     eqx_from_torch,
@@ -22,6 +23,18 @@ from spyre_jax.testing import (
 
 def _x(shape, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def plant_tanh_bug(monkeypatch):
+    """A planted lowering bug: the torch importer's rule for ``aten.tanh`` computes
+    ``1.01 * tanh(x)`` (the real rule, times a wrong constant)."""
+    real = RULES[torch.ops.aten.tanh.default]
+
+    def wrong_rule(b, node, *args, **kwargs):
+        r = real(b, node, *args, **kwargs)
+        return b.elementwise("mul", [r, Lit(1.01, r.dtype)], r.shape, r.dtype)
+
+    monkeypatch.setitem(RULES, torch.ops.aten.tanh.default, wrong_rule)
 
 
 def _quiet(*a, **k):
@@ -74,13 +87,10 @@ def test_planted_wrong_constant_in_torch_twin_is_caught():
     assert lines["jax.jit (cpu) vs torch eager (cpu)"].rstrip().endswith("NO")
 
 
-def test_planted_lowering_bug_is_caught():
-    from_fx._PLANTED_BUG = "tanh"
-    try:
-        with pytest.raises(AssertionError) as ei:
-            _quiet(lambda x: jnp.tanh(x) + 1, lambda x: torch.tanh(x) + 1, _x((8, 65)))
-    finally:
-        from_fx._PLANTED_BUG = None
+def test_planted_lowering_bug_is_caught(monkeypatch):
+    plant_tanh_bug(monkeypatch)
+    with pytest.raises(AssertionError) as ei:
+        _quiet(lambda x: jnp.tanh(x) + 1, lambda x: torch.tanh(x) + 1, _x((8, 65)))
     bad = [ln for ln in str(ei.value).splitlines() if ln.rstrip().endswith("NO")]
     # exactly the pairs with the torch.compile path are wrong: the bug is in from_fx
     assert bad and all("torch.compile spyre" in ln for ln in bad)

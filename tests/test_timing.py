@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import spyre_jax
-from spyre_jax.cli import SOFTMAX_MEASURED_US
+from spyre_jax.tools.bench import SOFTMAX_MEASURED_US
 
 
 def _cost(f, *xs, card: spyre_jax.CardSpec | None = None) -> dict:

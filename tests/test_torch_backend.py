@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import torch_rand as _rand
 
 from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import RULES
@@ -51,11 +52,6 @@ def _check(fn, *xs, k: int = 1, fallback_ok: bool = False):
 
 SHAPES = [(1, 1), (3, 63), (5, 65), (4, 100), (2, 150), (2, 3, 65)]
 DTYPES = [torch.float32, torch.float16]
-
-
-def _rand(shape, dtype, seed=0, lo=-2.0, hi=2.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=g) * (hi - lo) + lo).to(dtype)
 
 
 UNARY = {

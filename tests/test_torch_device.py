@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import torch_rand as _rand
 
 import spyre_jax
 from device_model.runtime import runtime
@@ -22,11 +23,6 @@ from torch_bridge.backend import SpyreFallbackWarning
 
 # fp32: the card computes in fp32 (sums in another order); fp16: each store rounds to fp16
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-
-
-def _rand(shape, dtype=torch.float32, seed=0, lo=-2.0, hi=2.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=g) * (hi - lo) + lo).to(dtype)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int = 1) -> None:
@@ -75,7 +71,6 @@ def test_entry_point_and_import_torch_alone():
     assert out.stdout.strip() == "spyre:0 [0.0, 1.0, 2.0, 3.0]"
 
 
-
 @pytest.mark.parametrize("first", ["lowering.from_fx", "lowering.fx_tensor", "torch_bridge"])
 def test_device_loads_when_our_fx_importer_imports_torch_first(first):
     # regression: the first ``import torch`` of a process happening inside lowering's FX importer
@@ -91,6 +86,7 @@ def test_device_loads_when_our_fx_importer_imports_torch_first(first):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0.0, 2.0, 4.0]"
+
 
 # ---------------------------------------------------------------------------------------------
 # memory: storages are regions of the card's device memory

@@ -51,7 +51,7 @@ __all__ = [
 _lock = threading.Lock()
 _fallbacks: collections.Counter[str] = collections.Counter()
 _stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
-_kernels: list[Any] = []  # the Executable of every card kernel since the last reset
+_kernels: list[Any] = []  # every card kernel (a _CardGraph) since the last reset
 
 
 def fallback_stats() -> dict[str, int]:
@@ -68,8 +68,9 @@ def reset_fallback_stats() -> None:
 
 
 def compiled_kernels() -> list[Any]:
-    """The card kernels (``device_model.runtime.Executable``) the backend made since the last
-    reset: their ``cost_analysis()`` gives simulated time, scratchpad peak, traffic, ..."""
+    """The card kernels the backend made since the last reset: each has ``graph`` (the graph
+    IR), ``kernel`` (the schedule), ``executable`` and ``cost_analysis()`` (simulated time,
+    scratchpad peak, traffic, ...)."""
     with _lock:
         return list(_kernels)
 
@@ -168,21 +169,33 @@ def _context(gm: torch.fx.GraphModule, node: torch.fx.Node, radius: int = 2) -> 
 
 
 class _CardGraph:
-    """A whole FX graph compiled to one card kernel; called with torch tensors."""
+    """A whole FX graph compiled to one card kernel; called with torch tensors.
+
+    ``graph`` (the graph IR), ``kernel`` (the schedule), ``executable`` (loaded on the card),
+    :meth:`cost_analysis` and :meth:`as_text`: what :func:`compiled_kernels` lists."""
 
     def __init__(self, gm: torch.fx.GraphModule):
         self.graph = from_fx(gm, name="torch_graph")
-        self.compiled = load(self.graph)
+        self.executable = load(self.graph)
+        self.kernel = self.executable.kernel
+        self.recipe = self.executable.recipe
         with _lock:
-            _kernels.append(self.compiled)
+            _kernels.append(self)
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         outs = outs if isinstance(outs, list | tuple) else [outs]
         self.out_meta = [_val(o) for o in outs]
 
+    def cost_analysis(self) -> dict[str, Any]:
+        """The kernel's figures (``device_model.runtime.Executable.cost_analysis``)."""
+        return self.executable.cost_analysis()
+
+    def as_text(self) -> str:
+        return self.executable.as_text()
+
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         # spyre tensors go in as the card buffers they are (no host round trip) and results on
         # spyre come back as spyre tensors; CPU tensors are copied in and out
-        return run_graph(self.compiled, args, self.out_meta)
+        return run_graph(self.executable, args, self.out_meta)
 
 
 def _val(n: Any) -> Any:

@@ -26,7 +26,19 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+import spyre_jax
+from device_model.runtime import runtime
+from lowering.graph import format_graph
+from lowering.pipeline import graph_passes
+from torch_bridge import backend as tb
 
 __all__ = [
     "assert_frontends_agree",
@@ -77,8 +89,6 @@ class FrontendReport:
 
 
 def _np_leaves(x: Any) -> list[np.ndarray]:
-    import jax
-
     out = []
     for leaf in jax.tree_util.tree_leaves(x):
         out.append(_to_np(leaf))
@@ -86,40 +96,25 @@ def _np_leaves(x: Any) -> list[np.ndarray]:
 
 
 def _to_np(t: Any) -> np.ndarray:
-    import torch
-
     if isinstance(t, torch.Tensor):
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:
-            import ml_dtypes
-
             return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.contiguous().numpy()
     return np.asarray(t)
 
 
 def _torch_leaves(x: Any) -> list[np.ndarray]:
-    import torch.utils._pytree as pytree
-
     return [_to_np(v) for v in pytree.tree_leaves(x)]
 
 
 def _to_torch(a: np.ndarray) -> Any:
-    import torch
-
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(a))
 
 
 def _run_paths(jax_fn: Any, torch_fn: Any, inputs: list[np.ndarray]) -> tuple[dict, Any, Any]:
-    import jax
-    import jax.numpy as jnp
-    import torch
-
-    import spyre_jax
-    from torch_bridge import backend as tb
-
     outs: dict[str, Any] = {}
     errors: dict[str, str] = {}
 
@@ -216,12 +211,8 @@ def canonical_graph(graph: Any) -> str:
     immediates normalized to float32 (``2`` and ``2.0``, ``0.70710677`` and
     ``0.7071067811865475`` print alike), after the graph passes (to_maps, fuse_maps, dce), so two
     frontends' graphs of the same computation compare equal."""
-    import spyre_jax
-    from lowering.graph import format_graph
-    from lowering.pipeline import graph_passes
-
     g = graph
-    for _, fn in graph_passes(spyre_jax.runtime.runtime().card):
+    for _, fn in graph_passes(runtime().card):
         g = fn(g)
     text = format_graph(g)
     ids: dict[str, str] = {}
@@ -371,8 +362,6 @@ def assert_frontends_agree(
 
 
 def _j(t: Any, like: Any) -> Any:
-    import jax.numpy as jnp
-
     return jnp.asarray(_to_np(t)).astype(like.dtype)
 
 
@@ -383,9 +372,6 @@ def eqx_from_torch(tm: Any, em: Any) -> Any:
     ``nn.Embedding``/``eqx.nn.Embedding``, an ``nn.Sequential`` of Linears (activations between
     them)/``eqx.nn.MLP``, ``nn.MultiheadAttention``/``eqx.nn.MultiheadAttention``.
     """
-    import equinox as eqx
-    import torch
-
     if isinstance(tm, torch.nn.Linear) and isinstance(em, eqx.nn.Linear):
         em = eqx.tree_at(lambda m: m.weight, em, _j(tm.weight, em.weight))
         if tm.bias is not None and em.bias is not None:
@@ -425,8 +411,6 @@ def eqx_from_torch(tm: Any, em: Any) -> Any:
 def torch_from_eqx(em: Any, tm: Any) -> Any:
     """Copy the weights of the equinox module ``em`` into the torch module ``tm`` (in place;
     returns ``tm``). The pairs of :func:`eqx_from_torch`."""
-    import equinox as eqx
-    import torch
 
     def put(p: Any, v: Any) -> None:
         with torch.no_grad():

@@ -1,0 +1,115 @@
+"""``spyre-jax`` / ``python -m spyre_jax``: the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main", "main_coverage", "COVERAGE_DESCRIPTION"]
+
+#: the ``coverage`` command's description: the first line of
+#: :mod:`spyre_jax.tools.coverage_common`'s docstring (kept here so ``--help`` loads nothing)
+COVERAGE_DESCRIPTION = (
+    "``spyre-jax coverage``: how much of PyTorch and JAX runs on the simulated card, and right."
+)
+
+
+def main_coverage(argv: list[str]) -> int:
+    """``spyre-jax coverage torch [--json] [--limit N] [--ops a,b] [--samples K]`` and
+    ``spyre-jax coverage jax [--json] [--limit N]``: print the table, or one JSON object."""
+    p = argparse.ArgumentParser(prog="spyre-jax coverage", description=COVERAGE_DESCRIPTION)
+    sub = p.add_subparsers(dest="frontend", required=True)
+    pt = sub.add_parser("torch", help="PyTorch's OpInfo database (backend and spyre device)")
+    pt.add_argument("--ops", default=None, help="comma-separated OpInfo names (default: all)")
+    pt.add_argument("--samples", type=int, default=3, help="samples per dtype and op")
+    pt.add_argument("--paths", default="backend,device", help="backend and/or device")
+    pj = sub.add_parser("jax", help="our table of jax.numpy / jax.lax / jax.nn functions")
+    for q in (pt, pj):
+        q.add_argument("--json", action="store_true", help="print one JSON object")
+        q.add_argument("--limit", type=int, default=None, help="at most N ops / entries")
+        q.add_argument("--time-limit", type=float, default=None, help="stop after S seconds")
+        q.add_argument("--notes", action="store_true", help="show why samples did not pass")
+    args = p.parse_args(argv)
+    # imported here, not at the top: the CLI must start (--help, errors) without torch/JAX
+    from . import coverage_run
+
+    kw = {}
+    if args.frontend == "torch":
+        kw = {
+            "ops": [o for o in args.ops.split(",") if o] if args.ops else None,
+            "samples": args.samples,
+            "paths": tuple(x for x in args.paths.split(",") if x),
+        }
+    out = coverage_run.report(
+        args.frontend,
+        as_json=args.json,
+        notes=args.notes,
+        limit=args.limit,
+        time_limit_s=args.time_limit,
+        **kw,
+    )
+    print(out)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    demo.run_demo(trace=args.trace)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    if args.which != "sim":
+        if args.which == "torch":
+            out = bench.bench_torch(reps=args.reps)
+        elif args.which == "launch":
+            out = bench.bench_launch(reps=args.reps)
+        else:
+            out = bench.bench_softmax()
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                print(f"{k:<16} {v:.3f}" if isinstance(v, float) else f"{k:<16} {v}")
+        return 0
+    res = bench.bench_sim(args.reps)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(
+                f"{k:<12} sim {v['sim_s'] * 1e3:8.2f} ms  native {v['native_s'] * 1e3:8.2f} ms"
+                f"  ratio {v['ratio']:6.2f}  cold {v['cold_compile_s']:.2f} s"
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "coverage":
+        return main_coverage(argv[1:])
+    p = argparse.ArgumentParser(prog="spyre-jax", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("coverage", help="op coverage: coverage torch|jax [--json] [--limit N]")
+    pd = sub.add_parser("demo", help="run the transformer-block demo on the simulated card")
+    pd.add_argument(
+        "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
+    )
+    pb = sub.add_parser("bench", help="benchmarks")
+    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch"])
+    pb.add_argument("--json", action="store_true", help="print one JSON object")
+    pb.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.cmd == "demo":
+        return _demo(args)
+    if args.cmd == "bench":
+        return _bench(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What the tests share: fixtures and input makers.
+
+Fixtures (found by pytest): ``small_card`` (simulate a card with some fields changed, the
+default card again afterwards) and ``fresh_card`` (a new default card: empty device memory,
+fresh streams, race mode "raise" afterwards). Helpers (``from conftest import ...``): ``rng``,
+``torch_rand``.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import spyre_jax
+from spyre_jax import CardSpec
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    """NumPy's generator, seeded (every test draws its inputs from a fixed seed)."""
+    return np.random.default_rng(seed)
+
+
+def torch_rand(
+    shape: Any, dtype: torch.dtype = torch.float32, seed: int = 0, lo: float = -2.0, hi: float = 2.0
+) -> torch.Tensor:
+    """A CPU tensor uniform in ``[lo, hi)`` from a seeded torch generator, cast to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) * (hi - lo) + lo).to(dtype)
+
+
+@pytest.fixture
+def small_card() -> Iterator[Callable[..., CardSpec]]:
+    """``small_card(scratchpad_bytes=...)`` simulates ``CardSpec().replace(...)`` from then on;
+    the default card comes back after the test."""
+
+    def use(**kw: Any) -> CardSpec:
+        gc.collect()
+        card = CardSpec().replace(**kw)
+        spyre_jax.set_card(card)
+        return card
+
+    yield use
+    gc.collect()
+    spyre_jax.set_card(CardSpec())
+
+
+@pytest.fixture
+def fresh_card() -> Iterator[None]:
+    """A new default card for the test (empty memory, fresh streams); race mode "raise" after."""
+    spyre_jax.set_card(CardSpec())
+    yield
+    spyre_jax.set_race_mode("raise")
