@@ -190,7 +190,7 @@ class DeviceBuffer:
     def payload(self) -> Any:
         """The region's contents; RuntimeError once the buffer has been freed."""
         if not self._fin.alive:
-            raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been freed")
+            raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
         return self.rt.memory.load(self.addr)
 
     def store(self, payload: Any) -> None:
@@ -434,7 +434,8 @@ def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
     """
     rt = exe.rt
     q = rt.queues
-    sid = current_stream_id() if rt is _current else DEFAULT_STREAM
+    st = getattr(_local, "stack", None)  # current_stream_id(), inlined: the launch is hot
+    sid = st[-1][1] if st and st[-1][0] is rt and rt is _current else DEFAULT_STREAM
     if len(args) != len(exe.in_layouts):
         raise TypeError(
             f"spyre: {exe.kernel.name} takes {len(exe.in_layouts)} arguments, got {len(args)}"
@@ -500,7 +501,7 @@ def _run_kernel(
         sid,
         "run_kernel",
         exe.step_name,
-        reads=(*(b.addr for b in bufs), *exe._const_addrs),
+        reads=tuple([b.addr for b in bufs]) + exe._const_addrs,
         writes=addrs[:nout],
         duration=exe.kernel_seconds,
         detail=exe._cost,

@@ -438,9 +438,7 @@ class _Fuser:
         return None
 
 
-def fuse_maps(
-    g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None = None
-) -> Graph:
+def fuse_maps(g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None = None) -> Graph:
     """Merge producer maps into consumer maps until nothing more fuses.
 
     A map merges into its only consumer (a view into any consumer); then a producer, also one

@@ -55,6 +55,14 @@ def _is_int64(x: Any) -> bool:
 _INT64_WARNING = "spyre: int64 is narrowed to int32 on the card"
 
 
+def _host_arg(x: Any) -> Any:
+    """A host value as the launch takes it (int64 narrowed to int32); an Array's buffer."""
+    if isinstance(x, Array):
+        x._check_alive()
+        return x._buf
+    return np.asarray(x).astype(np.int32) if _is_int64(x) else x
+
+
 class Compiled:
     """A function compiled for the card: its graph, its kernel, the loaded
     :class:`~device_model.runtime.Executable` and its figures."""
@@ -89,15 +97,9 @@ class Compiled:
     def _run(self, leaves: list[Any]) -> Any:
         """One launch (``device_model.runtime.launch``) on the current stream. Refused
         (RaceError, StreamError, DeviceOOMError) before anything changes."""
-        args: list[Any] = []
-        for x in leaves:
-            if isinstance(x, Array):
-                x._check_alive()
-                args.append(x._buf)
-            elif _is_int64(x):  # the caller was warned once already (``Jitted._split``)
-                args.append(np.asarray(x).astype(np.int32))
-            else:
-                args.append(x)
+        # arrays were checked alive when the call was keyed (``Jitted._split``); the caller was
+        # warned of int64 there too
+        args = [x._buf if type(x) is Array else _host_arg(x) for x in leaves]
         bufs = launch(self.executable, args)
         return jax.tree_util.tree_unflatten(self._out_tree, [Array(b) for b in bufs])
 
