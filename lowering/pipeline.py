@@ -1,13 +1,16 @@
 """The compiler as one readable function of named passes.
 
-Set ``SPYRE_DUMP=1`` to print the IR after every pass; ``SPYRE_CHECK=0`` skips the checkers
-(they run by default, and always in the tests).
+The IR after every pass is logged at DEBUG on the ``lowering`` logger (Python's ``logging``; one
+logger per package of ours). ``SPYRE_DUMP=1`` shows it on stderr without configuring logging;
+``SPYRE_CHECK=0`` skips the checkers (they run by default, and always in the tests).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from collections.abc import Callable
 
 from device_model.card import CardSpec
@@ -18,6 +21,17 @@ from .passes import dce, fuse_maps, to_maps
 from .schedule import map_fits, schedule
 
 __all__ = ["compile_graph", "graph_passes"]
+
+log = logging.getLogger("lowering")
+
+
+def _dump_handler() -> None:
+    """``SPYRE_DUMP=1``: the ``lowering`` logger shows DEBUG on stderr (one handler, once)."""
+    if not any(getattr(h, "_spyre_dump", False) for h in log.handlers):
+        h = logging.StreamHandler()
+        h._spyre_dump = True  # type: ignore[attr-defined]
+        log.addHandler(h)
+    log.setLevel(logging.DEBUG)
 
 
 def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], ...]:
@@ -36,20 +50,30 @@ def compile_graph(g: Graph, card: CardSpec, *, check: bool | None = None) -> Ker
     """Graph IR -> fused graph -> tiled schedule (a :class:`Kernel` for ``card``: its layouts,
     core count, scratchpad and DL16 rounding are the card's)."""
     check = os.environ.get("SPYRE_CHECK", "1") != "0" if check is None else check
-    dump = os.environ.get("SPYRE_DUMP", "") not in ("", "0")
+    if os.environ.get("SPYRE_DUMP", "") not in ("", "0"):
+        _dump_handler()
+    dump = log.isEnabledFor(logging.DEBUG)
+    t0 = time.perf_counter()
     if check:
         check_graph(g)
     if dump:
-        print(f"=== {g.name}: imported\n{g}")
+        log.debug("=== %s: imported\n%s", g.name, g)
     for name, fn in graph_passes(card):
         g = fn(g)
         if check:
             check_graph(g)
         if dump:
-            print(f"=== {g.name}: after {name}\n{g}")
+            log.debug("=== %s: after %s\n%s", g.name, name, g)
     k = schedule(g, card)
     if check:
         check_kernel(k)
     if dump:
-        print(f"=== {g.name}: schedule\n{format_kernel(k)}")
+        log.debug("=== %s: schedule\n%s", g.name, format_kernel(k))
+    log.debug(
+        "compiled %s: %d nodes -> %d stages in %.3f s",
+        g.name,
+        len(g.nodes),
+        len(k.stages),
+        time.perf_counter() - t0,
+    )
     return k

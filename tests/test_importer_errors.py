@@ -7,6 +7,7 @@ Bugs are planted by patching each importer's one registry (``lowering.from_jaxpr
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
@@ -23,6 +24,7 @@ from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
 import lowering.from_fx as from_fx_mod
 import lowering.from_jaxpr as from_jaxpr_mod
+import spyre_jax
 from lowering.errors import (
     LoweringError,
     LoweringRuleError,
@@ -245,3 +247,12 @@ def test_rule_error_kinds_and_pickling():
             "f.py:3 (g)",
         )
         assert type(back.cause) is type(cause) and str(back.cause) == str(cause)
+
+
+def test_pipeline_logs_every_pass(caplog):
+    # the IR after each pass goes to the ``lowering`` logger (no bare prints)
+    with caplog.at_level(logging.DEBUG, logger="lowering"):
+        spyre_jax.jit(lambda x: jnp.tanh(x) + 1).lower(np.ones((4, 8), np.float32))
+    text = caplog.text
+    for stage in ("imported", "after to_maps", "after fuse_maps", "after dce", "schedule"):
+        assert stage in text, stage
