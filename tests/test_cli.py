@@ -87,3 +87,46 @@ def test_help_exits_zero_and_lists_the_commands():
 
 def test_coverage_description_is_coverage_common_first_line():
     assert cli.COVERAGE_DESCRIPTION == coverage_common.__doc__.split("\n")[0]
+
+
+def test_bench_models_json(capsys):
+    # a shortened, narrowed model through the same harness the full-size benchmark uses
+    # (one subprocess per model); an unknown name is a ValueError naming the known ones
+    assert (
+        cli.main(
+            [
+                "bench",
+                "models",
+                "--models",
+                "gpt2-small",
+                "--tiny",
+                "--layers",
+                "1",
+                "--seq",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    res = json.loads(capsys.readouterr().out)
+    r = res["gpt2-small"]
+    assert "error" not in r, r
+    for key in (
+        "params",
+        "cold_compile_s",
+        "sim_prefill_us",
+        "sim_wall_s",
+        "eager_cpu_s",
+        "sim_over_eager",
+        "scratchpad_peak_bytes",
+        "device_memory_peak_bytes",
+        "host_peak_rss_bytes",
+        "fallbacks",
+        "cosine",
+        "max_abs_err",
+    ):
+        assert key in r, key
+    assert r["fallbacks"] == 0 and r["cosine"] >= 0.999 and r["sim_prefill_us"] > 0
+    with pytest.raises(ValueError, match="gpt2-small"):
+        cli.main(["bench", "models", "--models", "nope"])

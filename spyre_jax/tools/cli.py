@@ -61,6 +61,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "models":
+        from . import bench_models
+
+        names = args.models.split(",") if args.models else None
+        res = bench_models.bench_models(
+            names, layers=args.layers, tiny=args.tiny, seq=args.seq, reps=args.reps
+        )
+        print(json.dumps(res) if args.json else bench_models.format_models(res))
+        return 0
     from . import bench
 
     if args.which != "sim":
@@ -100,10 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
     )
     pb = sub.add_parser("bench", help="benchmarks")
-    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch"])
+    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch", "models"])
     pb.add_argument("--json", action="store_true", help="print one JSON object")
-    pb.add_argument("--reps", type=int, default=5)
+    pb.add_argument("--reps", type=int, default=None, help="repetitions (default 5; models 1)")
+    pb.add_argument("--models", default="", help="models: comma-separated names (default all)")
+    pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
+    pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
+    pb.add_argument("--seq", type=int, default=128, help="models: prompt length")
     args = p.parse_args(argv)
+    if getattr(args, "reps", 0) is None:
+        args.reps = 1 if args.which == "models" else 5
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

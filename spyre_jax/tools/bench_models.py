@@ -1,0 +1,230 @@
+"""``spyre-jax bench models``: real model configurations through ``torch.compile(backend="spyre")``.
+
+Each model is built from its ``transformers`` configuration with random weights (nothing is
+downloaded), run once in fp32 on the CPU (the reference) and once in fp16 through the spyre
+backend, each in a fresh subprocess so that its peak host memory is its own. Reported per model:
+parameters, cold compile seconds (the first call, all included), simulated prefill time (the sum
+of the card kernels' simulated times), the simulation's wall time of a second call beside eager
+CPU's (fp32) and their ratio, the scratchpad peak, the device-memory peak, the host peak RSS, CPU
+fallbacks, and the cosine similarity and max error of the logits against the fp32 reference.
+
+A model that fails (a ``TilingError`` today for the largest ones) is reported with its error
+instead of figures; the others still run. ``--layers N`` shortens every model to N layers (full
+widths and vocabularies), ``--tiny`` shrinks widths too (for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from device_model.runtime import runtime
+from torch_bridge import backend as tb
+
+__all__ = ["MODELS", "bench_models", "run_one"]
+
+
+def _gpt2(layers: int | None, tiny: bool) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kw: dict[str, Any] = {"n_layer": layers or 12}
+    if tiny:
+        kw.update(n_embd=64, n_head=2, vocab_size=1000, n_positions=256)
+    return GPT2LMHeadModel(GPT2Config(**kw))
+
+
+def _bert(layers: int | None, tiny: bool) -> Any:
+    from transformers import BertConfig, BertModel
+
+    kw: dict[str, Any] = {"num_hidden_layers": layers or 12}
+    if tiny:
+        kw.update(hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=1000)
+    return BertModel(BertConfig(**kw))
+
+
+def _llama_1b(layers: int | None, tiny: bool) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw: dict[str, Any] = dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=layers or 16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=2048,
+    )
+    if tiny:
+        kw.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=1000,
+        )
+    return LlamaForCausalLM(LlamaConfig(**kw))
+
+
+def _granite_8b(layers: int | None, tiny: bool) -> Any:
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    kw: dict[str, Any] = dict(
+        hidden_size=4096,
+        intermediate_size=12800,
+        num_hidden_layers=layers or 2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=49159,
+        max_position_embeddings=4096,
+    )
+    if tiny:
+        kw.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+        )
+    return GraniteForCausalLM(GraniteConfig(**kw))
+
+
+#: name -> builder(layers, tiny); Granite-3.3-8B is truncated to 2 layers by default
+MODELS: dict[str, Callable[[int | None, bool], Any]] = {
+    "gpt2-small": _gpt2,
+    "bert-base": _bert,
+    "llama-3.2-1b": _llama_1b,
+    "granite-3.3-8b-2l": _granite_8b,
+}
+
+
+def _logits(out: Any) -> torch.Tensor:
+    t = out.logits if hasattr(out, "logits") else out[0]
+    return t.detach().float()
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -> dict[str, Any]:
+    """One model, in this process: the figures :func:`bench_models` reports."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = MODELS[name](layers, tiny).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    params = sum(p.numel() for p in model.parameters())
+    res: dict[str, Any] = {"params": params, "layers": model.config.num_hidden_layers}
+    with torch.no_grad():
+        want = _logits(model(ids))
+        t = time.perf_counter()
+        for _ in range(reps):
+            model(ids)
+        res["eager_cpu_s"] = (time.perf_counter() - t) / reps
+        model = model.half()
+        torch._dynamo.reset()
+        tb.reset_fallback_stats()
+        compiled = torch.compile(model, backend="spyre", dynamic=False)
+        t = time.perf_counter()
+        got = _logits(compiled(ids))
+        res["cold_compile_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(reps):
+            compiled(ids)
+        res["sim_wall_s"] = (time.perf_counter() - t) / reps
+    costs = [k.cost_analysis() for k in tb.compiled_kernels()]
+    g, w = got.double().flatten(), want.double().flatten()
+    res.update(
+        sim_prefill_us=sum(c["sim_time_us"] for c in costs),
+        kernels=len(costs),
+        scratchpad_peak_bytes=max((c["scratchpad_peak_bytes"] for c in costs), default=0),
+        device_memory_peak_bytes=runtime().memory.stats()["peak_bytes_in_use"],
+        host_peak_rss_bytes=_rss_bytes(),
+        fallbacks=sum(tb.fallback_stats().values()),
+        cosine=float(torch.dot(g, w) / (g.norm() * w.norm())),
+        max_abs_err=float((g - w).abs().max()),
+        logits_abs_max=float(w.abs().max()),
+    )
+    res["sim_over_eager"] = res["sim_wall_s"] / res["eager_cpu_s"]
+    return res
+
+
+def bench_models(
+    names: list[str] | None = None,
+    *,
+    layers: int | None = None,
+    tiny: bool = False,
+    seq: int = 128,
+    reps: int = 1,
+    timeout_s: float = 3600.0,
+) -> dict[str, dict[str, Any]]:
+    """Every model of :data:`MODELS` (or ``names``), each in a fresh subprocess."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names or list(MODELS):
+        if name not in MODELS:
+            raise ValueError(f"bench models: unknown model {name!r}; known: {', '.join(MODELS)}")
+        cmd = [sys.executable, "-m", "spyre_jax.tools.bench_models", name, str(seq), str(reps)]
+        cmd += [str(layers or 0), "1" if tiny else "0"]
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ)
+            )
+        except subprocess.TimeoutExpired:
+            out[name] = {"error": f"timed out after {timeout_s:.0f} s"}
+            continue
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+            out[name] = {"error": tail[:300], "wall_s": time.perf_counter() - t}
+        else:
+            out[name] = json.loads(lines[-1])
+    return out
+
+
+def format_models(res: dict[str, dict[str, Any]]) -> str:
+    """A table of :func:`bench_models`' result."""
+    cols = (
+        ("params", "params", "{:,.0f}"),
+        ("compile s", "cold_compile_s", "{:.1f}"),
+        ("prefill us", "sim_prefill_us", "{:.0f}"),
+        ("sim s", "sim_wall_s", "{:.2f}"),
+        ("eager s", "eager_cpu_s", "{:.3f}"),
+        ("ratio", "sim_over_eager", "{:.1f}"),
+        ("scratchpad", "scratchpad_peak_bytes", "{:,.0f}"),
+        ("device mem", "device_memory_peak_bytes", "{:,.0f}"),
+        ("host RSS", "host_peak_rss_bytes", "{:,.0f}"),
+        ("fallbacks", "fallbacks", "{}"),
+        ("cosine", "cosine", "{:.5f}"),
+        ("max err", "max_abs_err", "{:.3g}"),
+    )
+    lines = ["model".ljust(20) + "".join(h.rjust(14) for h, _, _ in cols)]
+    for name, r in res.items():
+        if "error" in r:
+            lines.append(f"{name:<20}  error: {r['error']}")
+            continue
+        lines.append(f"{name:<20}" + "".join(f.format(r[k]).rjust(14) for _, k, f in cols))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one model in a subprocess: prints its figures as one JSON line
+    _name, _seq, _reps, _layers, _tiny = sys.argv[1:6]
+    _res = run_one(
+        _name, layers=int(_layers) or None, tiny=_tiny == "1", seq=int(_seq), reps=int(_reps)
+    )
+    print(json.dumps({k: (float(v) if isinstance(v, np.floating) else v) for k, v in _res.items()}))
