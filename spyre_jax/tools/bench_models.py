@@ -190,11 +190,20 @@ def bench_models(
             continue
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
         if p.returncode != 0 or not lines:
-            tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
-            out[name] = {"error": tail[:300], "wall_s": time.perf_counter() - t}
+            out[name] = {"error": _error_line(p.stderr), "wall_s": time.perf_counter() - t}
         else:
             out[name] = json.loads(lines[-1])
     return out
+
+
+def _error_line(stderr: str) -> str:
+    """The exception line of a failed run's stderr (Dynamo appends hints after it)."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        head = ln.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Failed")) and " " not in head:
+            return ln[:300]
+    return (lines or ["(no output)"])[-1][:300]
 
 
 def format_models(res: dict[str, dict[str, Any]]) -> str:
