@@ -101,3 +101,66 @@ class Builder:
         if perm == tuple(range(len(perm))):
             return x
         return self.emit("transpose", [x], tuple(x.shape[p] for p in perm), x.dtype, perm=perm)
+
+    def slice_dim(self, x: Var, axis: int, start: int, stop: int) -> Var:
+        """``x[..., start:stop, ...]`` along ``axis`` (``0 <= start <= stop <= size``)."""
+        if (start, stop) == (0, x.shape[axis]):
+            return x
+        st, li = [0] * len(x.shape), list(x.shape)
+        st[axis], li[axis] = start, stop
+        sh = list(x.shape)
+        sh[axis] = stop - start
+        ones = (1,) * len(sh)
+        return self.emit(
+            "slice", [x], tuple(sh), x.dtype, starts=tuple(st), limits=tuple(li), strides=ones
+        )
+
+    def concat(self, pieces: list[Var], axis: int) -> Var:
+        """The pieces joined along ``axis``; empty pieces are left out (one piece is itself)."""
+        pieces = [v for v in pieces if v.shape[axis] > 0] or pieces[:1]
+        if len(pieces) == 1:
+            return pieces[0]
+        sh = list(pieces[0].shape)
+        sh[axis] = sum(v.shape[axis] for v in pieces)
+        return self.emit("concatenate", pieces, tuple(sh), pieces[0].dtype, axis=axis)
+
+    def pad(self, x: Var, value: Var | Lit, config: list[tuple[int, int, int]]) -> Var:
+        """``lax.pad(x, value, config)`` (``(low, high, interior)`` per dim, XLA's semantics) from
+        slices and concatenations; torch's ``constant_pad_nd`` is the case without interior.
+
+        Per dim: interior padding first (each element followed by ``interior`` pad values as a
+        new axis, flattened, the trailing ones sliced off), then low and high: element ``j`` goes
+        to position ``low + j`` of ``low + n + high``; what falls outside is sliced off (negative
+        padding), what is left around it is filled. The fill blocks are ``value`` broadcast (a
+        filled constant for a literal)."""
+
+        def fill(sh: list[int]) -> Var:
+            return self.as_var(value, tuple(sh))
+
+        for d, (lo, hi, interior) in enumerate(config):
+            n = x.shape[d]
+            if interior > 0 and n > 1:
+                sh = list(x.shape)
+                col = self.reshape(x, (*sh[: d + 1], 1, *sh[d + 1 :]))
+                gap = fill([*sh[: d + 1], interior, *sh[d + 1 :]])
+                wide = self.concat([col, gap], d + 1)
+                flat = self.reshape(wide, (*sh[:d], n * (1 + interior), *sh[d + 1 :]))
+                x = self.slice_dim(flat, d, 0, n + (n - 1) * interior)
+                n = x.shape[d]
+            total = lo + n + hi
+            start, stop = max(0, -lo), min(n, total - lo)
+            kept = max(0, stop - start)
+            lead = min(max(lo, 0), total)
+            trail = total - lead - kept
+            sh = list(x.shape)
+            pieces = []
+            if lead:
+                pieces.append(fill([*sh[:d], lead, *sh[d + 1 :]]))
+            if kept or not total:
+                pieces.append(
+                    self.slice_dim(x, d, start, stop) if kept else self.slice_dim(x, d, 0, 0)
+                )
+            if trail:
+                pieces.append(fill([*sh[:d], trail, *sh[d + 1 :]]))
+            x = self.concat(pieces, d)
+        return x

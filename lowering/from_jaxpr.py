@@ -229,7 +229,7 @@ def _custom_vjp(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     return _inline(b, closed, args[-n:] if len(args) > n else args)
 
 
-@rule("stop_gradient", "copy", "copy_p", "optimization_barrier", "reduce_precision")
+@rule("stop_gradient", "copy", "copy_p", "optimization_barrier")
 def _identity(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     outs = []
     for a, v in zip(args, eqn.outvars, strict=True):
@@ -388,6 +388,96 @@ def _concatenate(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [b.emit("concatenate", vs, shape, dt, axis=ax)]
 
 
+@rule("pad")
+def _pad(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    shape, _ = _aval(eqn.outvars[0])
+    x, value = args
+    x = b.as_var(x, _aval(eqn.invars[0])[0])
+    config = [tuple(int(c) for c in cfg) for cfg in eqn.params["padding_config"]]
+    y = b.pad(x, value, config)
+    if y.shape != shape:  # pragma: no cover - Builder.pad follows XLA's arithmetic
+        raise LoweringError(f"pad gave {y.shape}, expected {shape}")
+    return [y]
+
+
+#: IEEE formats of the card's float dtypes: (exponent bits, mantissa bits)
+_FLOAT_FORMATS = {"float32": (8, 23), "float16": (5, 10), "bfloat16": (8, 7)}
+
+
+@rule("reduce_precision")
+def _reduce_precision(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    """``lax.reduce_precision`` as XLA computes it (round the mantissa to ``mantissa_bits`` to
+    nearest even, then flush what is below the reduced format's smallest normal to a signed zero
+    and send what is above its largest finite to a signed infinity; NaN and infinities pass,
+    signed zeros keep their sign), from existing ops only: XLA does it on the bits; here the
+    binade ``p = 2^e`` of ``|x|`` comes from a table of powers of two (a row gather) indexed by
+    ``floor(log2|x|)``, corrected by one either way, so that ``|x| / p * 2^m`` is exact and
+    ``round`` (half to even) rounds the mantissa. Below the source's normal range the quantum
+    stays the smallest normal's (subnormals round as XLA's bit arithmetic rounds them)."""
+    shape, dt = _aval(eqn.outvars[0])
+    ebits, mbits = int(eqn.params["exponent_bits"]), int(eqn.params["mantissa_bits"])
+    src_e, src_m = _FLOAT_FORMATS[dt]
+    x = b.as_var(args[0], shape)
+    if ebits >= src_e and mbits >= src_m:
+        return [x]
+    f32 = "float32"
+
+    def ew(fn: str, xs: list[Any], out: str = f32, param: Any = None) -> Var:
+        return b.elementwise(fn, xs, shape, out, param=param)
+
+    xf = x if dt == f32 else b.emit("convert", [x], shape, f32, dtype=f32)
+    fin = ew("is_finite", [xf], "bool")
+    a = ew("select_n", [fin, Lit(1.0, f32), ew("abs", [xf])])  # |x|, 1 where not finite
+    y = a
+    if mbits < src_m:
+        emin, emax = 2 - 2 ** (src_e - 1), 2 ** (src_e - 1) - 1
+        e = ew("floor", [ew("mul", [ew("log", [a]), Lit(1 / np.log(2.0), f32)])])
+        e = ew("max", [ew("min", [e, Lit(float(emax), f32)]), Lit(float(emin), f32)])
+        ei = b.emit("convert", [e], shape, "int32", dtype="int32")
+        idx = ew("sub", [ei, Lit(emin, "int32")], "int32")
+        n = int(np.prod(shape, dtype=np.int64))
+        table = b.const(
+            np.exp2(np.arange(emin, emax + 1, dtype=np.float64)).astype(np.float32)[:, None]
+        )
+        p = b.emit(
+            "gather", [table, b.reshape(idx, (n,))], (n, 1), f32, mode="clip", fill_value=None
+        )
+        p = b.reshape(p, shape)
+        # log2 is a few ulps off: p is one binade too high or too low near powers of two
+        high = ew(
+            "and", [ew("gt", [p, a], "bool"), ew("gt", [p, Lit(2.0**emin, f32)], "bool")], "bool"
+        )
+        p = ew("select_n", [high, p, ew("mul", [p, Lit(0.5, f32)])])
+        e = ew("select_n", [high, e, ew("sub", [e, Lit(1.0, f32)])])
+        low = ew("le", [ew("mul", [p, Lit(2.0, f32)]), a], "bool")
+        p = ew("select_n", [low, p, ew("mul", [p, Lit(2.0, f32)])])
+        e = ew("select_n", [low, e, ew("add", [e, Lit(1.0, f32)])])
+        t = ew("mul", [ew("div", [a, p]), Lit(2.0**mbits, f32)])  # exact: in [2^m, 2^(m+1))
+        r = ew("round", [t], param=1)  # half to even
+        if mbits == 0:
+            # no mantissa bits: a tie goes to the even bit pattern, i.e. the even biased exponent
+            odd = ew("rem", [ew("add", [e, Lit(float(emax), f32)]), Lit(2.0, f32)])
+            tie = ew("eq", [t, Lit(1.5, f32)], "bool")
+            r = ew("select_n", [tie, r, ew("add", [odd, Lit(1.0, f32)])])
+        y = ew("mul", [ew("mul", [r, Lit(2.0**-mbits, f32)]), p])
+    if ebits < src_e:
+        emin_r, emax_r = 2 - 2 ** (ebits - 1), 2 ** (ebits - 1) - 1
+        under = ew("lt", [y, Lit(2.0**emin_r, f32)], "bool")
+        y = ew("select_n", [under, y, Lit(0.0, f32)])
+        over = ew("ge", [y, Lit(2.0 ** (emax_r + 1), f32)], "bool")
+        y = ew("select_n", [over, y, Lit(float("inf"), f32)])
+    # the sign: x < 0, or 1/x < 0 for -0.0 (1/-0.0 = -inf), so zeros keep their sign
+    recip = ew("div", [Lit(1.0, f32), xf])
+    neg = ew(
+        "or",
+        [ew("lt", [xf, Lit(0.0, f32)], "bool"), ew("lt", [recip, Lit(0.0, f32)], "bool")],
+        "bool",
+    )
+    y = ew("select_n", [neg, y, ew("neg", [y])])
+    y = ew("select_n", [fin, xf, y])  # inf and NaN pass through
+    return [y if dt == f32 else b.emit("convert", [y], shape, dt, dtype=dt)]
+
+
 @rule("iota")
 def _iota(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, dt = _aval(eqn.outvars[0])
@@ -421,6 +511,30 @@ for _p, _k in {
     "argmin": "argmin",
 }.items():
     RULES[_p] = _reduce_rule(_k)
+
+
+def _bool_reduce_rule(kind: str) -> Rule:
+    """``reduce_or`` / ``reduce_and`` (``jnp.any`` / ``jnp.all``): max / min over the operand
+    as int32 (0 or 1), then ``> 0`` (over no elements max gives INT32_MIN: False, min
+    INT32_MAX: True, as any / all of nothing)."""
+
+    def r(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+        shape, dt = _aval(eqn.outvars[0])
+        axes = tuple(sorted(int(a) for a in eqn.params["axes"]))
+        x = b.as_var(args[0])
+        if x.dtype != "bool":
+            raise LoweringError(f"bitwise {eqn.primitive.name} of {x.dtype} is not supported")
+        if not axes:
+            return [x]
+        xi = b.emit("convert", [x], x.shape, "int32", dtype="int32")
+        red = b.emit("reduce", [xi], shape, "int32", kind=kind, axes=axes)
+        return [b.elementwise("gt", [red, Lit(0, "int32")], shape, "bool")]
+
+    return r
+
+
+RULES["reduce_or"] = _bool_reduce_rule("max")
+RULES["reduce_and"] = _bool_reduce_rule("min")
 
 
 @rule("cumsum")

@@ -173,7 +173,10 @@ def norm_dim(d: int, rank: int) -> int:
 
 
 def norm_dims(ds: Any, rank: int) -> tuple[int, ...]:
-    """Reduction dims; None or an empty list means all of them, as in ATen."""
+    """Reduction dims; None or an empty list means all of them, as in ATen. A rank-0 tensor has
+    none: ATen accepts dim 0 or -1 on it and reduces nothing."""
+    if rank == 0:
+        return ()
     if ds is None or (isinstance(ds, list | tuple) and len(ds) == 0):
         return tuple(range(rank))
     if isinstance(ds, int):

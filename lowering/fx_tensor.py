@@ -12,6 +12,7 @@ import numpy as np
 
 from . import torch_import
 from .builder import Builder, Lit
+from .errors import LoweringError
 from .fx_common import (
     bcast,
     card_dtype,
@@ -141,11 +142,31 @@ def _cat(b: Builder, node: torch.fx.Node, xs: Any, dim: int = 0) -> Var:
     return b.emit("concatenate", vs, shape, dt, axis=d)
 
 
+@rule(aten.constant_pad_nd.default)
+def _constant_pad(b: Builder, node: torch.fx.Node, x: Var, pad: Any, value: Any = 0) -> Var:
+    """``F.pad(x, pad, value=...)``: ``pad`` pairs (low, high) from the last dim backwards;
+    negative amounts slice elements off."""
+    shape, dt = result(node)
+    r = len(x.shape)
+    config = [(0, 0, 0)] * r
+    for i in range(len(pad) // 2):
+        config[r - 1 - i] = (int(pad[2 * i]), int(pad[2 * i + 1]), 0)
+    fill = Lit(bool(value) if dt == "bool" else value, dt)
+    y = b.pad(x, fill, config)
+    if y.shape != shape:  # pragma: no cover - Builder.pad follows ATen's arithmetic
+        raise LoweringError(f"spyre: constant_pad_nd gave {y.shape}, expected {shape}")
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
 # rules: reductions
 
 
 def _reduce(b: Builder, x: Var, kind: str, axes: tuple[int, ...], keep: bool, dt: str) -> Var:
+    if not x.shape:  # a rank-0 tensor: ATen takes dim 0 / -1 on it and reduces nothing
+        axes = ()
+        if kind in ("argmax", "argmin"):
+            return b.const(np.zeros((), np.int32), "int32")
     if not axes:
         return convert(b, x, dt)
     shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
@@ -204,12 +225,15 @@ def _any(b: Builder, node: torch.fx.Node, x: Var, dim: Any = None, keepdim: bool
     is_any = node.target in (aten.any.dim, aten.any.dims, aten.any.default)
     v = convert(b, convert(b, x, "bool"), "int32")
     r = _reduce(b, v, "max" if is_any else "min", norm_dims(dim, len(x.shape)), keepdim, "int32")
-    return convert(b, r, "bool")
+    # > 0, not != 0: over no elements max gives INT32_MIN (any of nothing is False)
+    return b.elementwise("gt", [r, Lit(0, "int32")], r.shape, "bool")
 
 
 @rule(aten.cumsum.default)
 def _cumsum(b: Builder, node: torch.fx.Node, x: Var, dim: int, **kw: Any) -> Var:
     shape, dt = result(node)
+    if not x.shape:  # the running sum of one element
+        return convert(b, x, dt)
     return b.emit(
         "reduce", [convert(b, x, dt)], shape, dt, kind="cumsum", axes=(norm_dim(dim, len(x.shape)),)
     )

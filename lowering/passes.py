@@ -1,5 +1,10 @@
-"""Graph-to-graph passes, each a pure function: ``to_maps``, ``fuse_maps``, ``dce``.
+"""Graph-to-graph passes, each a pure function: ``fold_empty``, ``to_maps``, ``fuse_maps``,
+``dce``.
 
+* ``fold_empty`` (the first thing ``to_maps`` does) removes the work on values with no elements:
+  a node whose results have a zero in their shape becomes an empty constant, a reduction over
+  an empty axis (and a matmul with ``K = 0``) becomes the identity of the reduction broadcast to
+  its result, and a concatenation drops its empty pieces; the tiler never sees a zero extent;
 * ``to_maps`` turns every SFU-side op (elementwise, convert, broadcast, transpose, slice,
   reductions, and reshapes that only add or drop size-1 dims) into a single-op ``map`` node
   whose inputs are read through views;
@@ -20,13 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from device_model.card import CardSpec
-from device_model.layout import layout_for
+from device_model.layout import layout_for, np_dtype
 from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
 from .graph import Graph, Node, Var, params
 
-__all__ = ["to_maps", "fuse_maps", "dce", "is_free_reshape", "MAX_MAP_INPUTS"]
+__all__ = ["fold_empty", "to_maps", "fuse_maps", "dce", "is_free_reshape", "MAX_MAP_INPUTS"]
 
 MAX_MAP_INPUTS = 8
 
@@ -142,9 +149,75 @@ def _single(n: Node, card: CardSpec) -> Node | None:
     return None
 
 
+def _identity(kind: str, dtype: str) -> np.ndarray | None:
+    """The value a reduction of ``kind`` gives over no elements (as ``lax.reduce_*`` does), or
+    None when it has none (argmax of nothing)."""
+    dt = np_dtype(dtype)
+    if kind in ("sum", "cumsum", "cumsum_rev"):
+        return np.zeros((), dt)
+    if kind == "prod":
+        return np.ones((), dt)
+    if kind in ("max", "min"):
+        big = kind == "min"
+        if dtype == "bool":
+            return np.asarray(big, dt)
+        if dtype == "int32":
+            info = np.iinfo(np.int32)
+            return np.asarray(info.max if big else info.min, dt)
+        return np.asarray(np.inf if big else -np.inf, dt)
+    return None
+
+
+def fold_empty(g: Graph) -> Graph:
+    """Values with no elements need no computation.
+
+    A node whose results all have a zero in their shape becomes an empty constant (its result
+    var is the constant's, so consumers are unchanged); a reduction whose input is empty but
+    whose result is not, and a matmul with ``K = 0``, become the identity of the reduction (0
+    for sums and matmuls, 1 for products, -inf/+inf for max/min) as a scalar constant broadcast
+    to the result; a concatenation drops its empty pieces (a copy when one is left). The graph is
+    returned unchanged when nothing has a zero extent.
+    """
+
+    def empty(v: Var) -> bool:
+        return 0 in v.shape
+
+    if not any(empty(v) for n in g.nodes for v in (*n.inputs, *n.outputs)):
+        return g
+    nodes: list[Node] = []
+    consts = list(g.consts)
+    for n in g.nodes:
+        if all(empty(o) for o in n.outputs):
+            consts.extend((o, np.zeros(o.shape, np_dtype(o.dtype))) for o in n.outputs)
+            continue
+        out = n.out
+        fill = None
+        if n.op == "reduce" and empty(n.inputs[0]):
+            fill = _identity(n.p("kind"), out.dtype)
+        elif n.op == "matmul" and n.inputs[0].shape[2] == 0:
+            fill = np.zeros((), np_dtype(out.dtype))
+        if fill is not None:
+            c = Var((), out.dtype)
+            consts.append((c, fill))
+            ps = params(shape=out.shape, dims=())
+            nodes.append(Node("broadcast", (c,), n.outputs, ps, n.source))
+            continue
+        if n.op == "concatenate" and any(empty(v) for v in n.inputs):
+            ins = tuple(v for v in n.inputs if not empty(v))
+            if len(ins) == 1:
+                ps = params(fn="copy", scalars=(), dtype=out.dtype, shape=out.shape, param=None)
+                nodes.append(Node("elementwise", ins, n.outputs, ps, n.source))
+            else:
+                nodes.append(Node(n.op, ins, n.outputs, n.params, n.source))
+            continue
+        nodes.append(n)
+    return Graph(g.name, g.inputs, tuple(nodes), g.outputs, tuple(consts))
+
+
 def to_maps(g: Graph, card: CardSpec) -> Graph:
     """Every SFU-side op becomes a single-op ``map`` node (a reshape that is free on ``card``'s
-    layouts stays a reshape)."""
+    layouts stays a reshape). Values with no elements are folded first (:func:`fold_empty`)."""
+    g = fold_empty(g)
     nodes = []
     for n in g.nodes:
         m = _single(n, card)
