@@ -202,6 +202,13 @@ def _amax(b: Builder, node: torch.fx.Node, x: Var, dims: Any = (), keepdim: bool
     return _reduce(b, x, kind, norm_dims(dims or None, len(x.shape)), keepdim, dt)
 
 
+@rule(aten.max.default, aten.min.default)
+def _max_all(b: Builder, node: torch.fx.Node, x: Var) -> Var:
+    """``x.max()`` / ``x.min()`` with no dim: over every element, a rank-0 result."""
+    kind = "max" if node.target is aten.max.default else "min"
+    return _reduce(b, x, kind, tuple(range(len(x.shape))), False, x.dtype)
+
+
 @rule(aten.max.dim, aten.min.dim)
 def _max_dim(b: Builder, node: torch.fx.Node, x: Var, dim: int, keepdim: bool = False) -> tuple:
     d = norm_dim(dim, len(x.shape))

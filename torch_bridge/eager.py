@@ -378,7 +378,7 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
     """Trace, import and compile the op for this signature (or say why it cannot be)."""
     plan = _Plan()
     try:
-        mode = FakeTensorMode()
+        mode = FakeTensorMode(allow_non_fake_inputs=True)  # decompositions make constants
         orig, ph = _fake_leaves(leaves, mode)
         a, k = tree_unflatten(orig, spec)
         with mode:
