@@ -24,6 +24,14 @@ The PE step of a matmul stage runs as one GEMM per group of cores that share an 
 (stacked along M when they share the rhs, along N when they share the lhs). Cores are an array
 axis; steps are unrolled when few and a ``lax.scan`` otherwise, so no Python loop runs over
 cores or tiles at run time. The semantics of every compute body are ``device_model.ops``.
+
+Blocks that reach past a tensor (ragged edge blocks, windows of slices and concatenations, see
+``device_model.kernel``) are read from the tensor padded with the uninitialized value and
+stored cropped. Accumulating stages (a matmul's K loop; a map whose reduction is split across
+steps, its body carrying an ``ops.SplitReduce``) combine each step into the ``acc`` buffers and
+write the output on the last step of a block; a split cumsum stores every block and carries
+its running total. An input buffer with a single slot in a stage of several steps is loaded
+after the step's compute (single buffering).
 """
 
 from __future__ import annotations
@@ -39,10 +47,18 @@ import numpy as np
 from jax import lax
 
 from . import ops
-from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of, resolve_aliases
+from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of, operand_grid, resolve_aliases
 from .layout import np_dtype
 
-__all__ = ["build_runner", "run_kernel", "run_stage", "to_blocks", "from_blocks", "UNROLL_STEPS"]
+__all__ = [
+    "build_runner",
+    "run_kernel",
+    "run_stage",
+    "to_blocks",
+    "from_blocks",
+    "operand_blocks",
+    "UNROLL_STEPS",
+]
 
 #: stages with at most this many steps are unrolled; longer ones run as a lax.scan
 UNROLL_STEPS = 4
@@ -72,19 +88,72 @@ def to_blocks(xp: Any, arr: Any, block: tuple[int, ...]) -> Any:
 
 
 def from_blocks(xp: Any, blocks: Any, device_shape: tuple[int, ...], block: tuple[int, ...]) -> Any:
-    """Inverse of :func:`to_blocks`."""
+    """Inverse of :func:`to_blocks` (ragged edge blocks: what lies past the tensor is dropped)."""
     nb = blocks_of(device_shape, block)
+    padded = tuple(n * b for n, b in zip(nb, block, strict=True))
     if all(n == 1 for n in nb):
-        return blocks[0]
-    r = len(device_shape)
-    x = blocks.reshape((*nb, *block))
-    perm = []
-    for i in range(r):
-        perm += [i, r + i]
+        x = blocks[0]
+    else:
+        r = len(device_shape)
+        x = blocks.reshape((*nb, *block))
+        perm = []
+        for i in range(r):
+            perm += [i, r + i]
+        moved = [p for p in perm if x.shape[p] != 1]
+        if moved != sorted(moved):
+            x = xp.transpose(x, perm)
+        x = x.reshape(padded)
+    if padded != tuple(device_shape):
+        x = x[tuple(slice(0, d) for d in device_shape)]
+    return x
+
+
+def operand_blocks(xp: Any, arr: Any, op: Operand, fill: Any) -> Any:
+    """An input tensor as the blocks its operand reads, ``[num_blocks, *block]`` (row-major over
+    :func:`~device_model.kernel.operand_grid`); the parts of blocks outside the tensor read
+    ``fill`` (the uninitialized-scratchpad value)."""
+    dev = tuple(arr.shape)
+    if not op.windowed:
+        nb = blocks_of(dev, op.block)
+        padded = tuple(n * b for n, b in zip(nb, op.block, strict=True))
+        if padded != dev:
+            arr = xp.pad(
+                arr, [(0, p - d) for p, d in zip(padded, dev, strict=True)], constant_values=fill
+            )
+        return to_blocks(xp, arr, op.block)
+    grid = operand_grid(op, dev)
+    x = arr
+    r = len(dev)
+    for d in range(r):
+        o, s, b, n = op.origins[d], op.steps[d], op.block[d], grid[d]
+        ax = 2 * d  # dims before d are already split into (n, b) pairs
+        lo = max(0, -o)
+        end = max(o + n * s, o + (n - 1) * s + b)
+        hi = max(0, end - dev[d])
+        if lo or hi:
+            pads = [(0, 0)] * x.ndim
+            pads[ax] = (lo, hi)
+            x = xp.pad(x, pads, constant_values=fill)
+        start = o + lo
+        shp = x.shape
+        if s >= b:
+            x = (
+                lax.slice_in_dim(x, start, start + n * s, axis=ax)
+                if xp is jnp
+                else x[(slice(None),) * ax + (slice(start, start + n * s),)]
+            )
+            x = x.reshape((*shp[:ax], n, s, *shp[ax + 1 :]))
+            if s != b:
+                x = x[(slice(None),) * (ax + 1) + (slice(0, b),)]
+        else:  # overlapping windows
+            idx = start + np.arange(n)[:, None] * s + np.arange(b)[None, :]
+            x = xp.take(x, idx.reshape(-1), axis=ax)
+            x = x.reshape((*shp[:ax], n, b, *shp[ax + 1 :]))
+    perm = [2 * i for i in range(r)] + [2 * i + 1 for i in range(r)]
     moved = [p for p in perm if x.shape[p] != 1]
     if moved != sorted(moved):
         x = xp.transpose(x, perm)
-    return x.reshape(device_shape)
+    return x.reshape((math.prod(grid), *op.block))
 
 
 def uninit_value(dtype: str) -> Any:
@@ -282,18 +351,24 @@ def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
 # compute
 
 
-def _matmul(bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any) -> jax.Array:
+def _matmul(
+    bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any, k_valid: Any = None
+) -> jax.Array:
     """The PE step of every core: fp32 products ``[cores, 1, tm, tn]`` of its lhs and rhs tiles.
 
     Cores reading the same stored rhs row (it reached them over the ring) are stacked along M into
     one GEMM; cores sharing an lhs row are joined along N. Cores holding no operand (never
     loaded) compute on uninitialized scratchpad, which is NaN; their results are never stored.
+    ``k_valid``: only the K block's first ``k_valid`` positions count (the last block of a K the
+    block size does not divide).
     """
     c = bufs.ncores
     pl, pr = bufs.plans[lhs_op.sp], bufs.plans[rhs_op.sp]
     lhs = bufs.read_rows(lhs_op.sp, slot)  # [rl, 1, tm, tkp]
     rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn]
     tm, k, tn = lhs.shape[2], rhs.shape[2], rhs.shape[3]
+    if k_valid is not None:
+        lhs, rhs = ops.mask_k(jnp, lhs[..., :k], rhs, k_valid)
     lrows, rrows = pl.rows, pr.rows
     live = np.asarray([lrows[q] != pl.nan_row and rrows[q] != pr.nan_row for q in range(c)], bool)
     by_r: dict[int, list[int]] = {}
@@ -331,50 +406,72 @@ def _matmul(bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any) -> jax.
     return _take(out, inv)
 
 
-def _compute(
-    stage: Stage,
-    bufs: _Buffers,
-    slot: Any,
-    oslot: Any,
-    first: Any,
-    env: dict[str, Any],
-    decls: dict[str, Any],
-    store_idx: Any,
-    dl16: bool = False,
-    last: Any = True,
-) -> None:
-    """The PEs/SFUs (and, for gathers, the indirect loads) of one step, scratchpad to scratchpad."""
+def _write_out(bufs: _Buffers, out: Operand, oslot: Any, r: jax.Array) -> None:
+    """A result ``[C, *dims]`` into the output buffer's slot, fit to the output block."""
+    want = out.block
+    if r.ndim - 1 < len(want):
+        r = r.reshape((r.shape[0], *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
+    bufs.write(out.sp, oslot, ops.fit(jnp, r, want))
+
+
+def _split_of(stage: Stage) -> ops.SplitReduce | None:
+    params = stage.body[0][2]
+    if stage.kind == "map" and len(params) > 2:
+        return params[2]
+    return None
+
+
+def _mode(stage: Stage) -> str:
+    """How a stage's steps combine: "plain" (every step computes and stores its own block),
+    "acc" (a K loop or split reduction: accumulate; write and store on the last step of a
+    block) or "carry" (a split cumsum: every block is stored, a carry passes between them)."""
+    if stage.kind == "matmul":
+        return "acc"
+    split = _split_of(stage)
+    if split is None:
+        return "plain"
+    body = stage.body[0][2][0]
+    return "carry" if body.reduce in ("cumsum", "cumsum_rev") else "acc"
+
+
+class _StepCtx:
+    """What the compute of one step reads: the stage, its buffers, the tensors, the card."""
+
+    def __init__(
+        self, stage: Stage, bufs: _Buffers, env: dict[str, Any], decls: dict[str, Any], dl16: bool
+    ):
+        self.stage, self.bufs, self.env, self.decls, self.dl16 = stage, bufs, env, decls, dl16
+        self.nslots = {b.name: b.slots for b in stage.scratch}
+
+    def slot(self, name: str, t: Any) -> Any:
+        n = self.nslots[name]
+        return t % n if n > 1 else 0
+
+    def tiles(self, t: Any) -> list[jax.Array]:
+        return [self.bufs.read(op.sp, self.slot(op.sp, t)) for op in self.stage.inputs]
+
+    def in_dtypes(self) -> list[str]:
+        return [self.decls[op.tensor].layout.dtype for op in self.stage.inputs]
+
+
+def _compute(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    """The PEs/SFUs (and, for gathers, the indirect loads) of one "plain" step, scratchpad to
+    scratchpad: every core's output block into the output buffer."""
+    stage, bufs = cx.stage, cx.bufs
     unit, kind, params = stage.body[0]
     out = stage.output
-    out_layout = decls[out.tensor].layout
+    oslot = cx.slot(out.sp, t)
+    out_layout = cx.decls[out.tensor].layout
     c = bufs.ncores
     if stage.kind == "map":
-        body, space_block = params
-        tiles = [bufs.read(op.sp, slot) for op in stage.inputs]
-        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        r = ops.run_map(jnp, body, tiles, dts, space_block, c)
-        r = ops.narrow(jnp, r, body.out_dtype, dl16)
-        want = out.block
-        if r.ndim - 1 < len(want):
-            r = r.reshape((r.shape[0], *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
-        bufs.write(out.sp, oslot, ops.fit(jnp, r, want))
-    elif stage.kind == "matmul":
-        body = params
-        prod = _matmul(bufs, stage.inputs[0], stage.inputs[1], slot)
-        if first is True:
-            acc = prod
-        else:
-            acc = bufs.read("acc", 0)
-            acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
-        bufs.write("acc", 0, acc)
-        if last is False:  # the output tile is written (and stored) after the last K step only
-            return
-        r = ops.narrow(jnp, acc, body.out_dtype, dl16)
-        bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
+        body, space_block = params[0], params[1]
+        r = ops.run_map(jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, c)
+        _write_out(bufs, out, oslot, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
     elif stage.kind == "gather":
         body = params
+        slot = cx.slot(stage.inputs[0].sp, t)
         idx = bufs.read(stage.inputs[0].sp, slot).astype(jnp.int32)  # [C, tr]
-        table = env[body.table]
+        table = cx.env[body.table]
         td = out.block[-1]
         ncb = table.shape[-1] // td
         t3 = table.reshape(table.shape[0], ncb, td)
@@ -390,22 +487,108 @@ def _compute(
         bufs.write(out.sp, oslot, ops.fit(jnp, rows, out.block))
     elif stage.kind == "reshape":
         body = params
-        x = bufs.read(stage.inputs[0].sp, slot)
-        r_out = out.block[0]
-        x = x[:, :, : body.l_in].reshape(c, r_out, body.l_out)
+        (x,) = cx.tiles(t)
+        x = x[..., : body.l_in].reshape(c, *out.block[:-1], body.l_out)
         bufs.write(out.sp, oslot, ops.fit(jnp, x, out.block))
     elif stage.kind == "concat":
         body = params
-        parts = []
-        for op, n in zip(stage.inputs, body.sizes, strict=True):
-            x = bufs.read(op.sp, slot)
-            sl = [slice(None)] * x.ndim
-            sl[1 + body.axis] = slice(0, n)
-            parts.append(x[tuple(sl)])
-        x = jnp.concatenate(parts, axis=1 + body.axis)
+        tiles = cx.tiles(t)
+        if body.tile:
+            sidx = jnp.maximum(jnp.asarray(store_idx), 0)
+            inner = math.prod(body.out_grid[body.axis + 1 :])
+            k = (sidx // inner) % body.out_grid[body.axis]
+            x = ops.run_concat(jnp, body, tiles, k)
+        else:
+            parts = []
+            for x, n in zip(tiles, body.sizes, strict=True):
+                sl = [slice(None)] * x.ndim
+                sl[1 + body.axis] = slice(0, n)
+                parts.append(x[tuple(sl)])
+            x = jnp.concatenate(parts, axis=1 + body.axis)
         bufs.write(out.sp, oslot, ops.fit(jnp, x.astype(np_dtype(out_layout.dtype)), out.block))
     else:  # pragma: no cover - the checker rejects unknown kinds
         raise ValueError(f"unknown stage kind {stage.kind}")
+
+
+def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
+    """One step of an "acc" stage: this K block's products (a matmul) or this block's partial
+    reduction (a split map) combined into the accumulators."""
+    stage, bufs = cx.stage, cx.bufs
+    params = stage.body[0][2]
+    if stage.kind == "matmul":
+        body = params
+        lhs_op, rhs_op = stage.inputs
+        tk = rhs_op.block[1]
+        k_valid = None
+        if body.k_logical % tk:
+            k_valid = body.k_logical - kpos * tk
+        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid)
+        if first is True:
+            acc = prod
+        else:
+            acc = bufs.read("acc", 0)
+            acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
+        bufs.write("acc", 0, acc)
+        return
+    body, space_block, split = params
+    coord = kpos if not split.reverse else split.nk - 1 - kpos
+    part = ops.run_map_partial(
+        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split, coord
+    )
+    if body.reduce in ("argmax", "argmin"):
+        acc = None if first is True else (bufs.read("acc", 0), bufs.read("acci", 0))
+        v, i = ops.combine_partial(jnp, body.reduce, acc, part, first)
+        bufs.write("acc", 0, v)
+        bufs.write("acci", 0, i)
+    else:
+        acc = None if first is True else bufs.read("acc", 0)
+        bufs.write("acc", 0, ops.combine_partial(jnp, body.reduce, acc, part, first))
+
+
+def _finish(cx: _StepCtx, t: Any) -> None:
+    """The last step of an "acc" stage's block: the accumulator, rounded, into the output."""
+    stage, bufs = cx.stage, cx.bufs
+    out = stage.output
+    oslot = cx.slot(out.sp, t)
+    params = stage.body[0][2]
+    if stage.kind == "matmul":
+        r = ops.narrow(jnp, bufs.read("acc", 0), params.out_dtype, cx.dl16)
+        bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
+        return
+    body = params[0]
+    if body.reduce in ("argmax", "argmin"):
+        r = bufs.read("acci", 0)
+    else:
+        r = bufs.read("acc", 0)
+    _write_out(bufs, out, oslot, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
+
+
+def _carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
+    """One step of a split cumsum: the block's running sums plus the carry into the output."""
+    stage, bufs = cx.stage, cx.bufs
+    body, space_block, split = stage.body[0][2]
+    coord = kpos if not split.reverse else split.nk - 1 - kpos
+    local = ops.run_map_partial(
+        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split, coord
+    )
+    carry = None if first is True else bufs.read("acc", 0)
+    out, carry = ops.cumsum_carry(jnp, local, carry, first, split)
+    bufs.write("acc", 0, carry)
+    _write_out(
+        bufs,
+        stage.output,
+        cx.slot(stage.output.sp, t),
+        ops.narrow(jnp, out, body.out_dtype, cx.dl16),
+    )
+
+
+def _kpos(first: np.ndarray) -> np.ndarray:
+    """Per step, its position in the run of steps that accumulate one output block (0 on a
+    ``first`` step)."""
+    k = np.zeros(len(first), np.int32)
+    for t in range(1, len(first)):
+        k[t] = 0 if first[t] else k[t - 1] + 1
+    return k
 
 
 def _tables(stage: Stage) -> dict[str, np.ndarray]:
@@ -413,78 +596,106 @@ def _tables(stage: Stage) -> dict[str, np.ndarray]:
     c = len(stage.stores[0])
     loads = np.asarray(stage.loads, np.int32).reshape(stage.steps, n_in, c)
     ring = np.asarray(stage.ring, np.int32).reshape(stage.steps, n_in, c)
+    first = np.asarray(stage.first, bool)
     return {
         "loads": loads,
         "ring": ring,
         "stores": np.asarray(stage.stores, np.int32),
-        "first": np.asarray(stage.first, bool),
+        "first": first,
         "last": np.asarray(stage.last, bool),
+        "kpos": _kpos(first),
     }
 
 
 def run_stage(
     stage: Stage, env: dict[str, Any], decls: dict[str, Any], ncores: int, dl16: bool = False
 ) -> Any:
-    """Execute one stage on the vectorized card; returns the output tensor's device array."""
+    """Execute one stage on the vectorized card; returns the output tensor's device array.
+
+    Double buffering: step t+1's loads go into the other slot before step t computes. An input
+    buffer with one slot in a stage of several steps is loaded after step t's compute instead
+    (single buffering: no overlap, the loads wait for the compute).
+    """
     tab = _tables(stage)
     plans = {
         op.sp: _plan_input(tab["loads"][:, i], tab["ring"][:, i], ncores)
         for i, op in enumerate(stage.inputs)
     }
     bufs = _Buffers(stage, ncores, plans)
-    blocked = [to_blocks(jnp, env[op.tensor], op.block) for op in stage.inputs]
+    blocked = [
+        operand_blocks(jnp, env[op.tensor], op, uninit_value(decls[op.tensor].layout.dtype))
+        for op in stage.inputs
+    ]
     out = stage.output
     out_layout = decls[out.tensor].layout
     nb_out = math.prod(blocks_of(out_layout.device_shape, out.block))
     out_blocked = jnp.zeros((nb_out, *out.block), np_dtype(out_layout.dtype))
     T = stage.steps
     nslots = [stage.sp(op.sp).slots for op in stage.inputs]
-    oslots = stage.sp(out.sp).slots
+    late = [nslots[i] == 1 and T > 1 for i in range(len(stage.inputs))]
+    early_ops = [i for i in range(len(stage.inputs)) if not late[i]]
+    late_ops = [i for i in range(len(stage.inputs)) if late[i]]
+    mode = _mode(stage)
+    cx = _StepCtx(stage, bufs, env, decls, dl16)
 
-    def load_step(t: Any, loads: Any, ring: Any) -> None:
-        for i, op in enumerate(stage.inputs):
-            _load(bufs, op, blocked[i], loads[i], ring[i], t % nslots[i] if nslots[i] > 1 else 0)
+    def load_step(t: Any, loads: Any, ring: Any, which: list[int]) -> None:
+        for i in which:
+            op = stage.inputs[i]
+            _load(bufs, op, blocked[i], loads[i], ring[i], cx.slot(op.sp, t))
 
-    def step(t: Any, stores: Any, first: Any, ob: jax.Array, last: Any = True) -> jax.Array:
-        oslot = t % oslots if oslots > 1 else 0
-        slot = t % nslots[0] if stage.inputs and nslots[0] > 1 else 0
-        if stage.kind != "matmul" or last is True:
-            _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16)
-            return _store(ob, bufs.read(out.sp, oslot), stores)
+    def store(t: Any, stores: Any, ob: jax.Array) -> jax.Array:
+        return _store(ob, bufs.read(out.sp, cx.slot(out.sp, t)), stores)
+
+    def step(t: Any, stores: Any, first: Any, ob: jax.Array, last: Any, kpos: Any) -> jax.Array:
+        if mode == "plain":
+            _compute(cx, t, stores)
+            return store(t, stores, ob)
+        if mode == "carry":
+            _carry(cx, t, first, kpos)
+            return store(t, stores, ob)
+        _accumulate(cx, t, first, kpos)
+        if last is True:
+            _finish(cx, t)
+            return store(t, stores, ob)
         if last is False:
-            _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16, last=False)
             return ob
-        # a K loop inside a scan: accumulate every step; round, write and store on the last
-        _compute(stage, bufs, slot, oslot, first, env, decls, stores, dl16, last=False)
-        acc = bufs.read("acc", 0)
-        mm = stage.body[0][2]
 
+        # an accumulation inside a scan: round, write and store on the last step only
         def finish(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             out_data, ob = operands
             bufs.data[out.sp] = out_data
-            r = ops.fit(jnp, ops.narrow(jnp, acc, mm.out_dtype, dl16), out.block)
-            bufs.write(out.sp, oslot, r)
-            return bufs.data[out.sp], _store(ob, bufs.read(out.sp, oslot), stores)
+            _finish(cx, t)
+            return bufs.data[out.sp], store(t, stores, ob)
 
         out_data, ob = lax.cond(last, finish, lambda o: o, (bufs.data[out.sp], ob))
         bufs.data[out.sp] = out_data
         return ob
 
+    all_ops = list(range(len(stage.inputs)))
     if T <= UNROLL_STEPS:
-        load_step(0, tab["loads"][0], tab["ring"][0])
+        load_step(0, tab["loads"][0], tab["ring"][0], all_ops)
         for t in range(T):
             if t + 1 < T:
-                load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1])
+                load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1], early_ops)
             out_blocked = step(
-                t, tab["stores"][t], bool(tab["first"][t]), out_blocked, bool(tab["last"][t])
+                t,
+                tab["stores"][t],
+                bool(tab["first"][t]),
+                out_blocked,
+                bool(tab["last"][t]),
+                int(tab["kpos"][t]),
             )
+            if t + 1 < T:
+                load_step(t + 1, tab["loads"][t + 1], tab["ring"][t + 1], late_ops)
     else:
-        load_step(0, tab["loads"][0], tab["ring"][0])
+        load_step(0, tab["loads"][0], tab["ring"][0], all_ops)
         nxt_loads = np.concatenate([tab["loads"][1:], -np.ones_like(tab["loads"][:1])])
         nxt_ring = np.concatenate([tab["ring"][1:], -np.ones_like(tab["ring"][:1])])
         lazy = [plans[op.sp].lazy for op in stage.inputs]
         first_all = tab["first"].all()
         first_none = not tab["first"].any()
+        last_all = bool(tab["last"].all())
+        kpos_zero = not tab["kpos"].any()
         xs = (
             jnp.arange(T, dtype=jnp.int32),
             jnp.asarray(nxt_loads),
@@ -492,17 +703,18 @@ def run_stage(
             jnp.asarray(tab["stores"]),
             jnp.asarray(tab["first"]),
             jnp.asarray(tab["last"]),
+            jnp.asarray(tab["kpos"]),
         )
-        last_all = bool(tab["last"].all())
 
         def body(carry: tuple[dict[str, jax.Array], jax.Array], x: Any) -> tuple[Any, None]:
             bufs.data, ob = dict(carry[0]), carry[1]
-            t, nl, nr, st, fi, la = x
+            t, nl, nr, st, fi, la, kp = x
             # a lazily forwarded operand's ring table is the same every step: keep it static
             rings = [tab["ring"][0, i] if lazy[i] else nr[i] for i in range(len(stage.inputs))]
-            load_step(t + 1, nl, rings)
+            load_step(t + 1, nl, rings, early_ops)
             fi = True if first_all else (False if first_none else fi)
-            ob = step(t, st, fi, ob, True if last_all else la)
+            ob = step(t, st, fi, ob, True if last_all else la, 0 if kpos_zero else kp)
+            load_step(t + 1, nl, rings, late_ops)
             return (dict(bufs.data), ob), None
 
         (data, out_blocked), _ = lax.scan(body, (dict(bufs.data), out_blocked), xs)
@@ -519,6 +731,10 @@ def run_kernel(kernel: Kernel, args: list[Any]) -> list[Any]:
     for st in kernel.stages:
         env[st.output.tensor] = run_stage(st, env, decls, kernel.num_cores, kernel.dl16)
         resolve_aliases(kernel, env)
+    for o in kernel.outputs:
+        if o not in env:  # a tensor without elements: no stage writes it
+            lay = decls[o].layout
+            env[o] = jnp.zeros(lay.device_shape, np_dtype(lay.dtype))
     return [env[o] for o in kernel.outputs]
 
 

@@ -17,9 +17,18 @@ Work division is data, computed by the tiler and kept here as tables over (step,
   ``t`` (-1: none); the source loads that block in the same step,
 * ``stores[t][c]``: block index of the output that core ``c`` stores after step ``t`` (-1: none).
 
-Block indices are row-major over the operand's block grid (device shape / block shape).
-A stage with a sequential ``reduce_axis`` (matmul's K) visits the same output block over several
-consecutive steps, accumulating in a scratchpad accumulator; ``first``/``last`` flag those steps.
+Block indices are row-major over the operand's block grid (:func:`operand_grid`). Block ``i``
+along a device dim covers the elements ``[origin + i * step, origin + i * step + block)`` of that
+dim (by default ``origin = 0`` and ``step = block``: consecutive blocks). A block may reach past
+the tensor's device extent (a *ragged* edge block, or a window that starts before element 0): a
+load copies the part inside the tensor and fills the rest of the slot with all-ones bytes (it
+reads as uninitialized scratchpad: NaN), a store writes only the part inside the tensor. Windows
+(``origin``/``step`` other than the default) let a stage read a slice, a strided slice or a
+shifted part of an input (concatenation) in blocks; outputs are always consecutive blocks.
+
+A stage with a sequential ``reduce_axis`` (matmul's K, a long reduction split across steps)
+visits the same output block over several consecutive steps, accumulating in a scratchpad
+accumulator; ``first``/``last`` flag those steps.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .layout import DTYPES, TensorLayout
 
@@ -40,6 +51,8 @@ __all__ = [
     "check_kernel",
     "format_kernel",
     "blocks_of",
+    "operand_grid",
+    "block_window",
     "resolve_aliases",
 ]
 
@@ -82,18 +95,71 @@ class Operand:
     """One device tensor read or written in blocks by a stage.
 
     ``grid_dims[d]`` is the grid axis that indexes the block along device dim ``d``, or -1 when
-    the block covers the whole dim. ``sp`` names the scratchpad buffer the block goes through.
+    one block (block 0) serves every tile. ``sp`` names the scratchpad buffer the block goes
+    through. ``origin``/``step`` (per device dim; empty: 0 and ``block``) place block ``i`` at
+    the elements ``[origin + i * step, origin + i * step + block)`` of the dim (see the module
+    docstring: windows and ragged edge blocks).
     """
 
     tensor: str
     block: tuple[int, ...]
     grid_dims: tuple[int, ...]
     sp: str
+    origin: tuple[int, ...] = ()
+    step: tuple[int, ...] = ()
+
+    @property
+    def origins(self) -> tuple[int, ...]:
+        return self.origin or (0,) * len(self.block)
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return self.step or self.block
+
+    @property
+    def windowed(self) -> bool:
+        """Blocks other than consecutive ones from element 0."""
+        return self.origins != (0,) * len(self.block) or self.steps != self.block
 
 
 def blocks_of(device_shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, ...]:
-    """The block grid of a tensor: how many blocks along each device dim."""
-    return tuple(d // b for d, b in zip(device_shape, block, strict=True))
+    """The block grid of a tensor in consecutive blocks: how many blocks along each device dim
+    (the last one ragged when a block does not divide the dim)."""
+    return tuple(max(1, -(-d // b)) for d, b in zip(device_shape, block, strict=True))
+
+
+def operand_grid(op: Operand, device_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """How many blocks an operand's windows make along each device dim: every block that starts
+    before the dim's end (at least one)."""
+    return tuple(
+        max(1, -(-(d - o) // s)) for d, o, s in zip(device_shape, op.origins, op.steps, strict=True)
+    )
+
+
+def block_window(
+    op: Operand, device_shape: tuple[int, ...], index: int
+) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """Where block ``index`` (row-major over :func:`operand_grid`) of an operand lies: the
+    slices of the device tensor inside it, and where they land in the block (the rest of the
+    block lies outside the tensor). IndexError for an index past the grid."""
+    grid = operand_grid(op, device_shape)
+    n = math.prod(grid)
+    if not 0 <= index < n:
+        raise IndexError(f"block {index} out of range for {n} blocks of {op.block}")
+    rest = index
+    coord = []
+    for g in reversed(grid):
+        coord.append(rest % g)
+        rest //= g
+    coord.reverse()
+    src, dst = [], []
+    for c, d, o, s, b in zip(coord, device_shape, op.origins, op.steps, op.block, strict=True):
+        start = o + c * s
+        lo, hi = max(start, 0), min(start + b, d)
+        hi = max(hi, lo)
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - start, hi - start))
+    return tuple(src), tuple(dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +257,12 @@ def check_kernel(k: Kernel) -> None:
     if len(names) != len(k.tensors):
         raise ScheduleError(f"kernel {k.name}: duplicate tensor names")
     alias_of = dict(k.aliases)
-    written: set[str] = set(k.inputs) | {t.name for t in k.tensors if t.role == "const"}
+    # inputs, constants and tensors without elements (nothing to write) hold their values
+    written: set[str] = (
+        set(k.inputs)
+        | {t.name for t in k.tensors if t.role == "const"}
+        | {t.name for t in k.tensors if t.layout.shape and math.prod(t.layout.shape) == 0}
+    )
     for _ in range(2):
         for view, base in k.aliases:
             if base in written or view in written:
@@ -240,54 +311,82 @@ def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int, 
         raise ScheduleError(f"scratchpad plan {s.sp_peak_bytes} B exceeds usable {cap} B")
     ops = (*s.inputs, s.output)
     nblocks = []
-    for op in ops:
+    for k, op in enumerate(ops):
+        is_out = k == len(ops) - 1
         if op.tensor not in names:
             raise ScheduleError(f"operand names unknown tensor {op.tensor}")
         dev = names[op.tensor].layout.device_shape
         if len(op.block) != len(dev) or len(op.grid_dims) != len(dev):
             raise ScheduleError(f"operand {op.tensor}: block rank does not match {dev}")
-        for d, b, g in zip(dev, op.block, op.grid_dims, strict=True):
-            if b <= 0 or d % b:
+        if len(op.origins) != len(dev) or len(op.steps) != len(dev):
+            raise ScheduleError(f"operand {op.tensor}: origin/step rank does not match {dev}")
+        if is_out and op.windowed:
+            raise ScheduleError(f"output {op.tensor}: outputs are stored in consecutive blocks")
+        grid = operand_grid(op, dev)
+        for d, b, g, st, n in zip(dev, op.block, op.grid_dims, op.steps, grid, strict=True):
+            if b <= 0 or st <= 0:
                 raise ScheduleError(f"operand {op.tensor}: block {op.block} does not tile {dev}")
-            if g >= 0 and (g >= len(s.grid) or d // b != s.grid[g]):
+            if g >= len(s.grid):
                 raise ScheduleError(f"operand {op.tensor}: grid axis {g} does not match {dev}")
-            if g < 0 and b != d:
+            if is_out and g >= 0 and n != s.grid[g]:
+                raise ScheduleError(f"operand {op.tensor}: grid axis {g} does not match {dev}")
+            if is_out and g < 0 and b != d:
                 raise ScheduleError(f"operand {op.tensor}: untiled dim must be a full block")
         if op.sp not in {b.name for b in s.scratch}:
             raise ScheduleError(f"operand {op.tensor} names unknown scratchpad buffer {op.sp}")
-        nblocks.append(math.prod(blocks_of(dev, op.block)))
+        buf = s.sp(op.sp)
+        if tuple(buf.block) != tuple(op.block):
+            raise ScheduleError(
+                f"operand {op.tensor}: block {op.block} differs from buffer {buf.name}'s "
+                f"{buf.block}"
+            )
+        nblocks.append(math.prod(grid))
     T = s.steps
     if not (len(s.loads) == len(s.ring) == len(s.first) == len(s.last) == T):
         raise ScheduleError("step tables have different lengths")
-    stored: set[int] = set()
-    for t in range(T):
-        for i in range(len(s.inputs)):
-            row, rrow = s.loads[t][i], s.ring[t][i]
-            if len(row) != ncores or len(rrow) != ncores:
-                raise ScheduleError(f"step {t}: table row is not one entry per core")
-            for c in range(ncores):
-                if row[c] >= nblocks[i]:
-                    raise ScheduleError(f"step {t} core {c}: block {row[c]} out of range")
-                src = rrow[c]
-                if src >= 0:
-                    if row[c] >= 0:
-                        raise ScheduleError(f"step {t} core {c}: both loads and receives")
-                    if not 0 <= src < ncores or row[src] < 0:
-                        raise ScheduleError(
-                            f"step {t} core {c}: ring source {src} loads nothing this step"
-                        )
-        if len(s.stores[t]) != ncores:
-            raise ScheduleError(f"step {t}: store row is not one entry per core")
-        for c in range(ncores):
-            blk = s.stores[t][c]
-            if blk >= 0:
-                if blk >= nblocks[-1]:
-                    raise ScheduleError(f"step {t} core {c}: store block {blk} out of range")
-                if blk in stored:
-                    raise ScheduleError(f"output block {blk} is stored twice")
-                stored.add(blk)
-    if len(stored) != nblocks[-1]:
-        raise ScheduleError(f"stores cover {len(stored)} of {nblocks[-1]} output blocks")
+    if T == 0:
+        raise ScheduleError("a stage without steps")
+    nin = len(s.inputs)
+    try:
+        loads = np.asarray(s.loads, np.int64).reshape(T, nin, -1 if nin else ncores)
+        ring = np.asarray(s.ring, np.int64).reshape(T, nin, -1 if nin else ncores)
+        stores = np.asarray(s.stores, np.int64)
+    except ValueError:
+        raise ScheduleError("table row is not one entry per core") from None
+    if nin and (loads.shape[2] != ncores or ring.shape[2] != ncores):
+        raise ScheduleError("step 0: table row is not one entry per core")
+    if stores.ndim != 2 or stores.shape[1] != ncores:
+        raise ScheduleError("step 0: store row is not one entry per core")
+    for i in range(nin):
+        bad = np.argwhere(loads[:, i] >= nblocks[i])
+        if len(bad):
+            t, c = bad[0]
+            raise ScheduleError(f"step {t} core {c}: block {loads[t, i, c]} out of range")
+        src = ring[:, i]
+        both = np.argwhere((src >= 0) & (loads[:, i] >= 0))
+        if len(both):
+            t, c = both[0]
+            raise ScheduleError(f"step {t} core {c}: both loads and receives")
+        recv = np.argwhere(src >= 0)
+        if len(recv):
+            tt, cc = recv[:, 0], recv[:, 1]
+            ss = src[tt, cc]
+            ok = (ss < ncores) & (loads[tt, i, np.clip(ss, 0, ncores - 1)] >= 0)
+            if not ok.all():
+                j = int(np.flatnonzero(~ok)[0])
+                raise ScheduleError(
+                    f"step {tt[j]} core {cc[j]}: ring source {ss[j]} loads nothing this step"
+                )
+    bad = np.argwhere(stores >= nblocks[-1])
+    if len(bad):
+        t, c = bad[0]
+        raise ScheduleError(f"step {t} core {c}: store block {stores[t, c]} out of range")
+    flat = stores[stores >= 0]
+    uniq, counts = np.unique(flat, return_counts=True)
+    if (counts > 1).any():
+        raise ScheduleError(f"output block {uniq[counts > 1][0]} is stored twice")
+    if len(uniq) != nblocks[-1]:
+        raise ScheduleError(f"stores cover {len(uniq)} of {nblocks[-1]} output blocks")
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +396,10 @@ def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int, 
 def _fmt_body(body: tuple[tuple[str, str, Any], ...]) -> list[str]:
     out = []
     for unit, op, params in body:
+        if op == "map" and len(params) > 2:  # a reduction split across steps
+            out.append(f"      {unit:<3} {op} {_short(params[:2])}")
+            out.append(f"          {params[2]}")
+            continue
         out.append(f"      {unit:<3} {op} {_short(params)}")
     return out
 
@@ -319,7 +422,10 @@ def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> 
             f"{b.dtype}{list(b.block)}"
         )
     for op in s.inputs:
-        lines.append(f"    in  {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}")
+        win = f" origin={list(op.origins)} step={list(op.steps)}" if op.windowed else ""
+        lines.append(
+            f"    in  {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}{win}"
+        )
     op = s.output
     lines.append(f"    out {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}")
     lines.append("    body:")

@@ -29,6 +29,7 @@ __all__ = [
     "GatherBody",
     "ReshapeBody",
     "ConcatBody",
+    "SplitReduce",
     "ELEMENTWISE",
     "ROW_REDUCTIONS",
     "TRANSCENDENTAL",
@@ -36,7 +37,15 @@ __all__ = [
     "widen",
     "narrow",
     "run_map",
+    "map_values",
+    "run_map_partial",
+    "combine_partial",
+    "finish_partial",
+    "cumsum_carry",
+    "reduce_identity",
     "run_matmul_step",
+    "mask_k",
+    "run_concat",
     "fit",
 ]
 
@@ -156,13 +165,50 @@ class ReshapeBody:
 
 @dataclass(frozen=True, slots=True)
 class ConcatBody:
-    """Data movement: the inputs' blocks joined along ``axis`` (logical sizes ``sizes``)."""
+    """Data movement: the inputs' blocks joined along ``axis`` (logical sizes ``sizes``).
+
+    With ``tile`` 0 every block holds the whole ``axis`` of each input, and the output block is
+    their concatenation. With ``tile`` > 0 the output is tiled along ``axis`` too, ``tile``
+    elements per block: output block ``k`` (its coordinate along ``axis`` in the output's block
+    grid ``out_grid``) covers positions ``[k * tile, (k + 1) * tile)``; input ``i`` starts at
+    ``offsets[i]`` in the output, and its block (a window of the input, see
+    :class:`~device_model.kernel.Operand`) holds output position ``k * tile + j`` at index
+    ``local[i] + j`` along ``axis``. Each output position takes the input whose range holds it;
+    positions no input covers (stick padding) are 0.
+    """
 
     axis: int
     sizes: tuple[int, ...]
+    tile: int = 0
+    offsets: tuple[int, ...] = ()
+    local: tuple[int, ...] = ()
+    out_grid: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        return f"concatenate along {self.axis} sizes {list(self.sizes)}"
+        t = f", tiles of {self.tile} at offsets {list(self.offsets)}" if self.tile else ""
+        return f"concatenate along {self.axis} sizes {list(self.sizes)}{t}"
+
+
+@dataclass(frozen=True, slots=True)
+class SplitReduce:
+    """A map's final reduction split across the steps of its stage (the stage's
+    ``reduce_axis``): along space dim ``axis`` each step brings ``block`` of the ``extent``
+    elements reduced, the ``nk`` blocks in order (``reverse``: the last block first, for
+    ``cumsum_rev``). Elements of the last block past ``extent`` are masked out (they are the
+    identity of the reduction). The running result is kept in the compute type in scratchpad
+    accumulators: ``acc`` (and ``acci``, the index, for argmax/argmin); for cumsum ``acc`` is
+    the carry, the running total at the block's edge, and every block of the output is stored.
+    """
+
+    axis: int
+    block: int
+    extent: int
+    nk: int
+    reverse: bool = False
+
+    def __str__(self) -> str:
+        rev = " reversed" if self.reverse else ""
+        return f"split axis {self.axis}: {self.nk} blocks of {self.block} of {self.extent}{rev}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,6 +552,28 @@ def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
     raise ValueError(f"unknown reduction {kind}")
 
 
+def map_values(
+    xp: Any,
+    body: MapBody,
+    tiles: list[Any],
+    in_dtypes: list[str],
+    space_block: tuple[int, ...],
+    ncores: int,
+) -> Any:
+    """A map body's program on one step's tiles: ``[C, *space_block]`` in the compute type,
+    before the final reduction."""
+    seen = []
+    for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True):
+        if not v.dims:  # a rank-0 tensor: element 0 of its one stick
+            t = t[:, 0]
+        seen.append(view_tile(xp, widen(xp, t, dt), v, space_block))
+    r = run_program(xp, body, seen, space_block)
+    c = ncores
+    if not hasattr(r, "shape") or r.shape != (c, *space_block):
+        r = xp.broadcast_to(r, (c, *space_block))
+    return r
+
+
 def run_map(
     xp: Any,
     body: MapBody,
@@ -515,27 +583,149 @@ def run_map(
     ncores: int,
 ) -> Any:
     """A map stage's compute on one step: input tiles -> output tile (compute type, space dims)."""
-    seen = []
-    for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True):
-        if not v.dims:  # a rank-0 tensor: element 0 of its one stick
-            t = t[:, 0]
-        seen.append(view_tile(xp, widen(xp, t, dt), v, space_block))
-    r = run_program(xp, body, seen, space_block)
-    c = ncores
-    r = xp.broadcast_to(r, (c, *space_block)) if r.shape != (c, *space_block) else r
+    r = map_values(xp, body, tiles, in_dtypes, space_block, ncores)
     if body.reduce:
         r = _reduce(xp, r, body.reduce, body.reduce_axes)
     return r
 
 
-def run_matmul_step(xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any) -> Any:
+def reduce_identity(kind: str, dtype: Any) -> Any:
+    """The value a reduction of ``kind`` gives over no elements, in ``dtype`` (a NumPy dtype):
+    sum 0, prod 1, max the lowest value (-inf for floats), min the highest. argmax/argmin have
+    none; their masked elements take the max's/min's identity (they never win a tie: the
+    first index does)."""
+    dt = np.dtype(dtype)
+    if kind in ("sum", "cumsum", "cumsum_rev"):
+        return np.zeros((), dt)[()]
+    if kind == "prod":
+        return np.ones((), dt)[()]
+    low = kind in ("max", "argmax")
+    if kind not in ("max", "min", "argmax", "argmin"):
+        raise ValueError(f"unknown reduction {kind}")
+    if dt == np.bool_:
+        return np.bool_(not low)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return dt.type(info.min if low else info.max)
+    return dt.type(-np.inf if low else np.inf)
+
+
+def _split_mask(xp: Any, split: SplitReduce, n: int, ndim: int, coord: Any) -> Any:
+    """Which of a block's ``n`` elements along the split axis lie inside the extent, shaped to
+    broadcast against a ``[C, *space_block]`` register of ``ndim`` dims."""
+    pos = coord * split.block + xp.arange(n)
+    valid = pos < split.extent
+    shape = [1] * ndim
+    shape[1 + split.axis] = n
+    return valid.reshape(shape)
+
+
+def run_map_partial(
+    xp: Any,
+    body: MapBody,
+    tiles: list[Any],
+    in_dtypes: list[str],
+    space_block: tuple[int, ...],
+    ncores: int,
+    split: SplitReduce,
+    coord: Any,
+) -> Any:
+    """One step of a split reduction (:class:`SplitReduce`): the reduction of this block of the
+    split axis (block ``coord``; elements past the extent masked to the identity). sum, prod,
+    max, min: ``[C, *kept]``; argmax/argmin: ``(values, indices)``, the indices counted from
+    the start of the axis; cumsum: the block's own running sums ``[C, *space_block]``."""
+    r = map_values(xp, body, tiles, in_dtypes, space_block, ncores)
+    kind = body.reduce
+    valid = _split_mask(xp, split, space_block[split.axis], r.ndim, coord)
+    fill = reduce_identity(kind, r.dtype)
+    r = xp.where(valid, r, xp.asarray(fill, dtype=r.dtype))
+    if kind in ("cumsum", "cumsum_rev"):
+        return _reduce(xp, r, kind, body.reduce_axes)
+    if kind in ("argmax", "argmin"):
+        vals = _reduce(xp, r, "max" if kind == "argmax" else "min", body.reduce_axes)
+        idx = _reduce(xp, r, kind, body.reduce_axes) + (coord * split.block)
+        return vals, idx.astype(np.int32)
+    return _reduce(xp, r, kind, body.reduce_axes)
+
+
+def combine_partial(xp: Any, kind: str, acc: Any, part: Any, first: Any) -> Any:
+    """The accumulator after one more block: ``part`` alone on the ``first`` block (a Python
+    bool or a traced one), else ``acc`` combined with it (argmax/argmin: pairs of values and
+    indices; a later block wins only when strictly better, or NaN against a number)."""
+    if first is True:
+        return part
+    if kind in ("argmax", "argmin"):
+        (av, ai), (pv, pi) = acc, part
+        better = pv > av if kind == "argmax" else pv < av
+        if np.dtype(pv.dtype).kind == "f":
+            better = better | (xp.isnan(pv) & ~xp.isnan(av))
+        new = (xp.where(better, pv, av), xp.where(better, pi, ai))
+        if first is False:
+            return new
+        return (xp.where(first, pv, new[0]), xp.where(first, pi, new[1]))
+    if kind == "sum":
+        new = acc + part
+    elif kind == "prod":
+        new = acc * part
+    elif kind == "max":
+        new = xp.maximum(acc, part)
+    elif kind == "min":
+        new = xp.minimum(acc, part)
+    else:
+        raise ValueError(f"unknown reduction {kind}")
+    if first is False:
+        return new
+    return xp.where(first, part, new)
+
+
+def finish_partial(kind: str, acc: Any) -> Any:
+    """The reduction's result from its accumulator (the index, for argmax/argmin)."""
+    return acc[1] if kind in ("argmax", "argmin") else acc
+
+
+def cumsum_carry(xp: Any, local: Any, carry: Any, first: Any, split: SplitReduce) -> Any:
+    """One block of a split cumsum: ``(output block, new carry)``. The output is the block's
+    own running sums plus the carry (the total of the blocks before it in the scan's
+    direction; none on the ``first`` block); the new carry is the output at the block's far
+    edge (kept with size 1 along the axis)."""
+    a = 1 + split.axis
+    if first is True:
+        out = local
+    elif first is False:
+        out = local + carry
+    else:
+        out = xp.where(first, local, local + carry)
+    n = out.shape[a]
+    edge = 0 if split.reverse else n - 1
+    idx = [slice(None)] * out.ndim
+    idx[a] = slice(edge, edge + 1)
+    return out, out[tuple(idx)]
+
+
+def mask_k(xp: Any, lhs: Any, rhs: Any, valid: Any) -> tuple[Any, Any]:
+    """Zero the K positions at or past ``valid`` of a K block: the lhs tile's columns
+    ``[..., tm, tk]`` and the rhs tile's rows ``[..., tk, tn]`` (the last block of a K that the
+    block does not divide reaches past K: stick padding, or scratchpad never loaded)."""
+    k = rhs.shape[-2]
+    keep = xp.arange(k) < valid
+    lhs = xp.where(keep, lhs, xp.zeros((), lhs.dtype))
+    rhs = xp.where(keep[:, None], rhs, xp.zeros((), rhs.dtype))
+    return lhs, rhs
+
+
+def run_matmul_step(
+    xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any, k_valid: int | None = None
+) -> Any:
     """One PE step on ``[C, 1, tm, tk]`` x ``[C, 1, tk, tn]`` tiles: fp32 ``acc + lhs @ rhs``.
 
     The lhs tile may carry stick padding along K beyond the rhs block's K; it is sliced off.
-    ``first`` (a Python bool, or a traced one) starts the accumulator from zero.
+    ``first`` (a Python bool, or a traced one) starts the accumulator from zero. ``k_valid``:
+    only the block's first ``k_valid`` K positions count (:func:`mask_k`).
     """
     k = rhs.shape[2]
     a = lhs[..., :k]
+    if k_valid is not None and k_valid < k:
+        a, rhs = mask_k(xp, a, rhs, k_valid)
     if xp is np:
         prod = np.einsum("cbmk,cbkn->cbmn", a.astype(np.float32), rhs.astype(np.float32))
     else:
@@ -551,6 +741,25 @@ def run_matmul_step(xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any) -> Any:
     if isinstance(first, bool | np.bool_):
         return prod if first else acc + prod
     return xp.where(first, prod, acc + prod)
+
+
+def run_concat(xp: Any, body: ConcatBody, tiles: list[Any], kcoord: Any) -> Any:
+    """A tiled concatenation's block (``body.tile`` > 0): from each input's window tile
+    ``[C, *block_i]`` the positions of output block ``kcoord`` (``[C]``, each core's coordinate
+    along the axis) that fall in that input's range; 0 where none does."""
+    a, b = 1 + body.axis, body.tile
+    pos = kcoord.reshape(-1, 1) * b + xp.arange(b).reshape(1, -1)  # [C, b]
+    out = None
+    for x, off, n, lo in zip(tiles, body.offsets, body.sizes, body.local, strict=True):
+        idx = [slice(None)] * x.ndim
+        idx[a] = slice(lo, lo + b)
+        x = x[tuple(idx)]
+        m = (pos >= off) & (pos < off + n)
+        shape = [1] * x.ndim
+        shape[0], shape[a] = m.shape[0], b
+        m = m.reshape(shape)
+        out = xp.where(m, x, xp.zeros((), x.dtype) if out is None else out)
+    return out
 
 
 def is_float(dtype: str) -> bool:

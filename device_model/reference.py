@@ -14,10 +14,16 @@ fast, the opposite of the vectorized executor:
   bytes from device memory into the slot; ring transfers copy the bytes of the source core's slot
   after the sources' loads of that step; the compute units read their tiles out of scratchpad
   bytes and write their results back as bytes; the store units copy the output slot's bytes to
-  device memory.
+  device memory. A block that reaches past the tensor (a ragged edge block, or a window of a
+  slice or a concatenation that starts before element 0) loads the part inside the tensor and
+  all-ones bytes for the rest; a store writes only the part inside the tensor.
 * Double buffering as in :func:`device_model.execute.run_stage`: step 0's loads, then for each
   step ``t``: step ``t + 1``'s loads into slot ``(t + 1) % slots``, step ``t``'s compute on slot
-  ``t % slots``, step ``t``'s stores.
+  ``t % slots``, step ``t``'s stores. An input buffer with a single slot in a stage of several
+  steps is loaded after step ``t``'s compute instead.
+* Accumulating stages (a matmul's K loop, a map's reduction split across steps: its body
+  carries a :class:`~device_model.ops.SplitReduce`) keep their running result in the
+  scratchpad accumulators ``acc``/``acci`` from a ``first`` step to a ``last`` one.
 * Compute semantics come from :mod:`device_model.ops` with ``xp=numpy``, applied to one core's
   tile at a time (a leading core axis of size 1); with ``kernel.dl16`` the map and matmul results
   stored as fp16/bf16 round through DL16 first, as in the vectorized executor.
@@ -40,6 +46,7 @@ from .kernel import (
     SpBuf,
     Stage,
     TensorDecl,
+    block_window,
     blocks_of,
     check_kernel,
     resolve_aliases,
@@ -113,13 +120,17 @@ class Scratchpad:
 def block_slices(
     device_shape: tuple[int, ...], block: tuple[int, ...], index: int
 ) -> tuple[slice, ...]:
-    """Where block ``index`` (row-major over the block grid) lies in the device tensor."""
+    """Where block ``index`` (row-major over the block grid) lies in the device tensor (a
+    ragged edge block: only the part inside it)."""
     grid = blocks_of(device_shape, block)
     n = math.prod(grid)
     if not 0 <= index < n:
         raise IndexError(f"block {index} out of range for {n} blocks of {block} in {device_shape}")
     coord = np.unravel_index(index, grid) if grid else ()
-    return tuple(slice(int(i) * b, (int(i) + 1) * b) for i, b in zip(coord, block, strict=True))
+    return tuple(
+        slice(int(i) * b, min((int(i) + 1) * b, d))
+        for i, b, d in zip(coord, block, device_shape, strict=True)
+    )
 
 
 def _check_dtype(what: str, tensor_dtype: str, buf: SpBuf) -> None:
@@ -135,17 +146,28 @@ def _check_dtype(what: str, tensor_dtype: str, buf: SpBuf) -> None:
 
 
 def _load(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, slot: int) -> None:
-    """Load unit: one block's bytes from device memory into a scratchpad slot."""
+    """Load unit: one block's bytes from device memory into a scratchpad slot. The part of the
+    block outside the tensor (a ragged edge, a window before element 0) gets all-ones bytes."""
     dev = mem[op.tensor]
-    data = np.ascontiguousarray(dev[block_slices(dev.shape, op.block, block)])
-    sp.write_bytes(op.sp, slot, data)
+    src, dst = block_window(op, dev.shape, block)
+    whole = all(s.start == 0 and s.stop == b for s, b in zip(dst, op.block, strict=True))
+    if whole:
+        sp.write_bytes(op.sp, slot, np.ascontiguousarray(dev[src]))
+        return
+    raw = np.full(math.prod(op.block) * dev.dtype.itemsize, 0xFF, np.uint8)
+    tile = raw.view(dev.dtype).reshape(op.block)
+    tile[dst] = dev[src]
+    sp.write_bytes(op.sp, slot, raw)
 
 
 def _store(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, slot: int) -> None:
-    """Store unit: the output slot's bytes into one block of device memory."""
+    """Store unit: the output slot's bytes into one block of device memory (of a ragged edge
+    block, the part inside the tensor)."""
     dev = mem[op.tensor]
     raw = sp.read_bytes(op.sp, slot)
-    dev[block_slices(dev.shape, op.block, block)] = raw.view(dev.dtype).reshape(op.block)
+    sl = block_slices(dev.shape, op.block, block)
+    tile = raw.view(dev.dtype).reshape(op.block)
+    dev[sl] = tile[tuple(slice(0, s.stop - s.start) for s in sl)]
 
 
 def _compute(
@@ -156,10 +178,12 @@ def _compute(
     mem: dict[str, np.ndarray],
     decls: dict[str, TensorDecl],
     dl16: bool = False,
+    kpos: int = 0,
 ) -> None:
     """One core's PEs/SFUs (and, for gathers, its indirect loads) at step ``t``.
 
     ``dl16``: float results stored as fp16/bf16 round through DL16 first (``Kernel.dl16``).
+    ``kpos``: the step's position in the run of steps that accumulate one output block.
     """
     _, _, params = stage.body[0]
     out = stage.output
@@ -169,21 +193,50 @@ def _compute(
         # the tile of one input with a leading core axis of size 1
         return sp.read(op.sp, t % stage.sp(op.sp).slots)[None]
 
-    if stage.kind == "map":
-        body, space_block = params
-        tiles = [tile(op) for op in stage.inputs]
-        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        r = ops.run_map(np, body, tiles, dts, tuple(space_block), 1)
-        r = ops.narrow(np, r, body.out_dtype, dl16)
+    def write_result(r: np.ndarray) -> None:
         want = out.block
         if r.ndim - 1 < len(want):
             r = r.reshape((1, *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
         sp.write(out.sp, oslot, ops.fit(np, r, want)[0])
+
+    if stage.kind == "map" and len(params) > 2:
+        body, space_block, split = params
+        tiles = [tile(op) for op in stage.inputs]
+        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
+        coord = kpos if not split.reverse else split.nk - 1 - kpos
+        part = ops.run_map_partial(np, body, tiles, dts, tuple(space_block), 1, split, coord)
+        first, last = bool(stage.first[t]), bool(stage.last[t])
+        if body.reduce in ("cumsum", "cumsum_rev"):
+            carry = None if first else sp.read("acc", 0)[None]
+            res, carry = ops.cumsum_carry(np, part, carry, first, split)
+            sp.write("acc", 0, carry[0])
+            write_result(ops.narrow(np, res, body.out_dtype, dl16))
+            return
+        if body.reduce in ("argmax", "argmin"):
+            acc = None if first else (sp.read("acc", 0)[None], sp.read("acci", 0)[None])
+            v, i = ops.combine_partial(np, body.reduce, acc, part, first)
+            sp.write("acc", 0, v[0])
+            sp.write("acci", 0, i[0])
+            res = i
+        else:
+            acc = None if first else sp.read("acc", 0)[None]
+            res = ops.combine_partial(np, body.reduce, acc, part, first)
+            sp.write("acc", 0, res[0])
+        if last:
+            write_result(ops.narrow(np, res, body.out_dtype, dl16))
+    elif stage.kind == "map":
+        body, space_block = params[0], params[1]
+        tiles = [tile(op) for op in stage.inputs]
+        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
+        r = ops.run_map(np, body, tiles, dts, tuple(space_block), 1)
+        write_result(ops.narrow(np, r, body.out_dtype, dl16))
     elif stage.kind == "matmul":
         body = params
         lhs, rhs = (tile(op) for op in stage.inputs)  # [1, 1, tm, tkp], [1, 1, tk, tn]
+        tk = rhs.shape[2]
+        k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
         acc = sp.read("acc", 0)[None]
-        acc = ops.run_matmul_step(np, acc, lhs, rhs, bool(stage.first[t]))
+        acc = ops.run_matmul_step(np, acc, lhs, rhs, bool(stage.first[t]), k_valid)
         sp.write("acc", 0, acc[0])
         r = ops.narrow(np, acc, body.out_dtype, dl16)
         sp.write(out.sp, oslot, ops.fit(np, r, out.block)[0])
@@ -212,17 +265,23 @@ def _compute(
     elif stage.kind == "reshape":
         body = params
         x = tile(stage.inputs[0])
-        x = x[:, :, : body.l_in].reshape(1, out.block[0], body.l_out)
+        x = x[..., : body.l_in].reshape(1, *out.block[:-1], body.l_out)
         sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
     elif stage.kind == "concat":
         body = params
-        parts = []
-        for op, n in zip(stage.inputs, body.sizes, strict=True):
-            x = tile(op)
-            sl = [slice(None)] * x.ndim
-            sl[1 + body.axis] = slice(0, n)
-            parts.append(x[tuple(sl)])
-        x = np.concatenate(parts, axis=1 + body.axis)
+        tiles = [tile(op) for op in stage.inputs]
+        if body.tile:
+            sb = max(store_block, 0)
+            inner = math.prod(body.out_grid[body.axis + 1 :])
+            k = np.asarray([(sb // inner) % body.out_grid[body.axis]])
+            x = ops.run_concat(np, body, tiles, k)
+        else:
+            parts = []
+            for x, n in zip(tiles, body.sizes, strict=True):
+                sl = [slice(None)] * x.ndim
+                sl[1 + body.axis] = slice(0, n)
+                parts.append(x[tuple(sl)])
+            x = np.concatenate(parts, axis=1 + body.axis)
         x = x.astype(np_dtype(decls[out.tensor].layout.dtype))
         sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
     else:
@@ -251,9 +310,12 @@ def run_stage_reference(
     mem[out.tensor] = np.zeros(out_layout.device_shape, np_dtype(out_layout.dtype))
     cores = [Scratchpad(stage) for _ in range(ncores)]
     T = stage.steps
+    # an input with one slot in a stage of several steps is loaded after the step's compute
+    late = {i for i, op in enumerate(stage.inputs) if stage.sp(op.sp).slots == 1 and T > 1}
 
-    def load_step(t: int) -> None:
-        for i, op in enumerate(stage.inputs):
+    def load_step(t: int, which: list[int]) -> None:
+        for i in which:
+            op = stage.inputs[i]
             slot = t % stage.sp(op.sp).slots
             for c in range(ncores):
                 blk = stage.loads[t][i][c]
@@ -265,17 +327,23 @@ def run_stage_reference(
                 if src >= 0:
                     cores[c].write_bytes(op.sp, slot, cores[src].read_bytes(op.sp, slot))
 
+    every = list(range(len(stage.inputs)))
+    early = [i for i in every if i not in late]
     if T:
-        load_step(0)
+        load_step(0, every)
+    kpos = 0
     for t in range(T):
+        kpos = 0 if stage.first[t] else kpos + 1
         if t + 1 < T:
-            load_step(t + 1)
+            load_step(t + 1, early)
         oslot = t % stage.sp(out.sp).slots
         for c in range(ncores):
-            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls, dl16)
+            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls, dl16, kpos)
             blk = stage.stores[t][c]
             if blk >= 0:
                 _store(cores[c], out, mem, blk, oslot)
+        if t + 1 < T:
+            load_step(t + 1, sorted(late))
     return mem[out.tensor]
 
 
@@ -305,6 +373,10 @@ def run_kernel_reference(kernel: Kernel, args: list[np.ndarray]) -> list[np.ndar
         for st in kernel.stages:
             run_stage_reference(st, mem, decls, kernel.num_cores, getattr(kernel, "dl16", False))
             resolve_aliases(kernel, mem)
+    for o in kernel.outputs:
+        if o not in mem:  # a tensor without elements: no stage writes it
+            lay = decls[o].layout
+            mem[o] = np.zeros(lay.device_shape, np_dtype(lay.dtype))
     return [np.array(mem[o], copy=True) for o in kernel.outputs]
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from .card import CardSpec
 from .kernel import Kernel, Stage
 from .layout import DTYPES
@@ -65,85 +67,97 @@ def _block_bytes(block: tuple[int, ...], dtype: str) -> int:
 
 
 def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, Any]:
-    """Time (s) and traffic of one stage; see the module docstring for the formula."""
-    in_bytes = [_block_bytes(op.block, dtypes[op.tensor]) for op in s.inputs]
+    """Time (s) and traffic of one stage; see the module docstring for the formula.
+
+    A stage whose input buffers have a single slot while it runs several steps is single
+    buffered: step t+1's loads wait for step t's compute, nothing overlaps."""
+    in_bytes = np.asarray([_block_bytes(op.block, dtypes[op.tensor]) for op in s.inputs], float)
     out_bytes = _block_bytes(s.output.block, dtypes[s.output.tensor])
     T = s.steps
-    L, S, R, C = [0] * T, [0] * T, [0.0] * T, [0.0] * T
-    ring_bytes = 0
-    active = set()
+    nin = len(s.inputs)
+    ncores = len(s.stores[0]) if T else card.num_cores
+    loads = np.asarray(s.loads, np.int64).reshape(T, nin, ncores)
+    ring = np.asarray(s.ring, np.int64).reshape(T, nin, ncores)
+    stores = np.asarray(s.stores, np.int64).reshape(T, ncores)
     unit, kind, params = s.body[0]
-    for t in range(T):
-        transfers = []
-        for i, _op in enumerate(s.inputs):
-            row, rrow = s.loads[t][i], s.ring[t][i]
-            for c in range(len(row)):
-                if row[c] >= 0:
-                    L[t] += in_bytes[i]
-                    active.add(c)
-                if rrow[c] >= 0:
-                    transfers.append((i, rrow[c], c, in_bytes[i]))
-                    ring_bytes += in_bytes[i]
-                    active.add(c)
-        nstore = sum(1 for b in s.stores[t] if b >= 0)
-        S[t] = nstore * out_bytes
-        if kind == "gather":
-            L[t] += nstore * out_bytes  # the indirectly loaded rows
-        R[t] = _ring_time(transfers, card)
-        if kind == "matmul":
-            lhs, rhs = s.inputs
-            tm, tkp = lhs.block[1], lhs.block[2]
-            tn = rhs.block[2]
-            C[t] = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
-        elif kind == "map":
-            body, space_block = params
-            elems = math.prod(space_block)
-            per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
-            rate = card.sfu_elems_per_cycle * card.corelets_per_core
-            C[t] = per_core / rate / card.clock_hz
+    L = ((loads >= 0) * in_bytes[None, :, None]).sum(axis=(1, 2)) if nin else np.zeros(T)
+    nstore = (stores >= 0).sum(axis=1)
+    S = nstore * float(out_bytes)
+    if kind == "gather":
+        L = L + nstore * float(out_bytes)  # the indirectly loaded rows
+    recv = ring >= 0
+    ring_bytes = int(((recv) * in_bytes[None, :, None]).sum()) if nin else 0
+    # ring time per step: the same ring pattern always takes the same time (computed once)
+    R = np.zeros(T)
+    if nin and recv.any():
+        flat = ring.reshape(T, -1)
+        pats, inv = np.unique(flat, axis=0, return_inverse=True)
+        times = []
+        for pat in pats:
+            pr = pat.reshape(nin, ncores)
+            transfers = [
+                (i, int(pr[i, c]), c, int(in_bytes[i]))
+                for i in range(nin)
+                for c in range(ncores)
+                if pr[i, c] >= 0
+            ]
+            times.append(_ring_time(transfers, card))
+        R = np.asarray(times)[np.asarray(inv).reshape(-1)]
+    busy_in = ((loads >= 0) | recv).any(axis=1) if nin else np.zeros((T, ncores), bool)
+    active = set(np.flatnonzero(busy_in.any(axis=0)).tolist())
+    c_step = 0.0
+    if kind == "matmul":
+        lhs, rhs = s.inputs
+        tm, tkp = lhs.block[1], lhs.block[2]
+        tn = rhs.block[2]
+        c_step = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+    elif kind == "map":
+        body, space_block = params[0], params[1]
+        elems = math.prod(space_block)
+        per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
+        rate = card.sfu_elems_per_cycle * card.corelets_per_core
+        c_step = per_core / rate / card.clock_hz
+    C = np.full(T, c_step)
     bw = card.device_memory_bw * card.device_memory_efficiency
-    total = L[0] / bw + R[0]
-    starts = []
-    for t in range(T):
-        starts.append(total)
-        nxt_l = L[t + 1] if t + 1 < T else 0
-        nxt_r = R[t + 1] if t + 1 < T else 0.0
-        total += max(C[t], nxt_r, (nxt_l + S[t]) / bw)
+    nxt_l = np.concatenate([L[1:], [0.0]])
+    nxt_r = np.concatenate([R[1:], [0.0]])
+    single = T > 1 and any(s.sp(op.sp).slots == 1 for op in s.inputs)
+    if single:
+        span = C + nxt_r + (nxt_l + S) / bw
+    else:
+        span = np.maximum(np.maximum(C, nxt_r), (nxt_l + S) / bw)
+    prologue = (L[0] / bw + R[0]) if T else 0.0
+    ends = prologue + np.cumsum(span)
+    total = float(ends[-1]) if T else prologue
+    starts = [float(prologue)] + [float(x) for x in ends[:-1]]
     # per step: which cores work (load, receive or store) -- for the trace's per-core tracks
-    cores = [
-        tuple(
-            c
-            for c in range(len(s.stores[t]))
-            if s.stores[t][c] >= 0
-            or any(s.loads[t][i][c] >= 0 or s.ring[t][i][c] >= 0 for i in range(len(s.inputs)))
-        )
-        for t in range(T)
-    ]
+    busy = busy_in | (stores >= 0)
+    cores = [tuple(np.flatnonzero(row).tolist()) for row in busy]
     unit = "PE" if kind == "matmul" else ("SFU" if kind == "map" else "load/store")
     return {
         "stage": s.name,
         "kind": s.kind,
         "steps": T,
         "time_s": total,
-        "compute_s": sum(C),
-        "memory_s": (sum(L) + sum(S)) / bw,
-        "ring_s": sum(R),
-        "load_bytes": sum(L),
-        "store_bytes": sum(S),
+        "compute_s": float(C.sum()),
+        "memory_s": float(L.sum() + S.sum()) / bw,
+        "ring_s": float(R.sum()),
+        "load_bytes": int(L.sum()),
+        "store_bytes": int(S.sum()),
         "ring_bytes": ring_bytes,
-        "cores_used": len(active) if active else sum(1 for b in s.stores[0] if b >= 0),
+        "cores_used": len(active) if active else int(nstore[0]) if T else 0,
         "scratchpad_bytes": s.sp_peak_bytes,
         "flops": s.flops,
         "unit": unit,  # the compute unit the stage's body runs on
         # the timeline of the stage, for the trace: per step its compute start (s from the
         # stage's start), compute time, load/store bytes and ring time, and its busy cores
         "timeline": {
-            "prologue_s": L[0] / bw + R[0],
+            "prologue_s": float(prologue),
             "starts_s": starts,
-            "compute_s": C,
-            "load_bytes": L,
-            "store_bytes": S,
-            "ring_s": R,
+            "compute_s": C.tolist(),
+            "load_bytes": [int(x) for x in L],
+            "store_bytes": [int(x) for x in S],
+            "ring_s": R.tolist(),
             "cores": cores,
             "bandwidth": bw,
         },

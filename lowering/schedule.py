@@ -7,216 +7,70 @@ work is divided (tile p runs on core p % n at step p // n, n the card's ``num_co
 load, ring and store tables are built: a block several cores need in one step is loaded by the
 first of them and forwarded over the ring to the rest. A plan that does not fit is never
 emitted: the tiler splits further (a reduction whose output rows cannot be tiled finely enough
-writes one element per stick to a temp, then packs it), and raises :class:`TilingError` only
-when no split fits. Every figure of the card (cores, stick size, usable scratchpad, bandwidths)
-comes from the :class:`~device_model.card.CardSpec` passed in.
+writes one element per stick to a temp, then packs it).
+
+When no tiling in whole blocks fits, the general tiling takes over (:mod:`lowering.tile_map`,
+:mod:`lowering.tile_moves`; shared helpers in :mod:`lowering.tiling`): every dim of every op may
+be cut, the stick dim and the reduced axis included, in blocks that need not divide it (the last
+block is ragged); a slice, a strided slice or a shifted input of a concatenation is read in
+windows of the input; a reduction too long for the scratchpad (sum/max/min/prod/argmax/argmin/
+cumsum along any axis) is split across steps with a carried accumulator in the compute type
+(fp32 for floats); a matmul's K is split with fp32 partial sums whatever its length; a
+transpose whose blocks would need a stick of both layouts goes through a one-element-per-stick
+temp; re-layouts split their rows; gathers tile the index rows (the table stays in device
+memory, whatever its size); and as a last resort the buffers are single-buffered.
+:class:`TilingError` is left only for what cannot fit even the smallest such blocks: one stick
+per buffer, or, for a re-layout between layouts whose sticks cross (a transpose, a matmul's K,
+packing one element per stick), one stick's worth of sticks (64 fp16 sticks, 8 KiB). Tensors
+without elements need no stage; a reduction over an empty axis is a fill with the reduction's
+identity (argmax/argmin over an empty axis raise).
+
+Every figure of the card (cores, stick size, usable scratchpad, bandwidths) comes from the
+:class:`~device_model.card.CardSpec` passed in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from itertools import product
-
-import numpy as np
+from typing import Any
 
 from device_model.card import CardSpec
-from device_model.kernel import Kernel, Operand, SpBuf, Stage, TensorDecl, blocks_of
-from device_model.layout import DTYPES, TensorLayout, layout_for
+from device_model.kernel import Kernel, Operand, Stage, TensorDecl
+from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.ops import (
-    ROW_REDUCTIONS,
-    TRANSCENDENTAL,
     ConcatBody,
     GatherBody,
     InputView,
     MapBody,
     MatmulBody,
     ReshapeBody,
+    compute_dtype,
+    reduce_identity,
 )
 
 from .errors import TilingError
 from .graph import Graph, Node, Var
 from .passes import is_free_reshape
+from .tile_map import _map_general
+from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
+from .tiling import (
+    _REDUCTIONS,
+    _STEP_OVERHEAD_S,
+    _cands,
+    _choose,
+    _Ctx,
+    _describe,
+    _divisors,
+    _map_work,
+    _tables,
+)
 
 __all__ = ["schedule", "map_fits"]
 
 
-def _align(n: int, a: int) -> int:
-    """``n`` rounded up to a multiple of ``a`` (the card's stick size)."""
-    return -(-n // a) * a
-
-
-def _divisors(n: int) -> list[int]:
-    out = set()
-    for i in range(1, int(math.isqrt(n)) + 1):
-        if n % i == 0:
-            out.add(i)
-            out.add(n // i)
-    return sorted(out)
-
-
-def _cands(extent: int, quantum: int) -> list[int]:
-    """Block sizes for a dim: divisors of ``extent`` that are multiples of ``quantum``."""
-    return [d for d in _divisors(extent) if d % quantum == 0] or [extent]
-
-
-class _Ctx:
-    def __init__(self, card: CardSpec):
-        self.card = card
-        self.cap = card.scratchpad_usable_bytes
-        self.ncores = card.num_cores
-        self.decls: dict[str, TensorDecl] = {}
-        self.aliases: list[tuple[str, str]] = []
-        self.stages: list[Stage] = []
-        self.names: dict[int, str] = {}
-        self.counter = 0
-
-    def name(self, v: Var) -> str:
-        return self.names[v.id]
-
-    def plan_bytes(self, blocks: list[tuple[tuple[int, ...], str]], slots: int) -> int:
-        return _plan_bytes(blocks, slots, self.card.stick_bytes)
-
-    def sp_plan(self, bufs: list[tuple[str, tuple[int, ...], str, int]]) -> tuple[SpBuf, ...]:
-        return _sp_plan(bufs, self.card.stick_bytes)
-
-    def layout(self, v: Var) -> TensorLayout:
-        return self.decls[self.name(v)].layout
-
-    def declare(self, v: Var, role: str, name: str | None = None) -> str:
-        if v.id in self.names:
-            return self.names[v.id]
-        nm = name or f"t{len(self.names)}"
-        self.names[v.id] = nm
-        self.decls[nm] = TensorDecl(nm, layout_for(v.shape, v.dtype, self.card.stick_bytes), role)
-        return nm
-
-    def view(self, base: str, shape: tuple[int, ...], dtype: str) -> str:
-        nm = f"{base}_v{len(self.aliases)}"
-        self.decls[nm] = TensorDecl(nm, layout_for(shape, dtype, self.card.stick_bytes), "view")
-        self.aliases.append((nm, base))
-        return nm
-
-
-# ---------------------------------------------------------------------------------------------
-# block choice
-
-
-def _choose(
-    extents: list[int],
-    cands: list[list[int]],
-    plan_bytes: Callable[[list[int], bool], int],
-    cap: int,
-    ncores: int,
-    what: str,
-    source: str,
-) -> list[int]:
-    """Blocks per dim: enough tiles for the cores, the largest that fit (outer dims first)."""
-    blocks = [max(c) for c in cands]
-
-    def tiles(bl: list[int]) -> int:
-        return math.prod(e // b for e, b in zip(extents, bl, strict=True))
-
-    for d in range(len(extents)):
-        if tiles(blocks) >= ncores:
-            break
-        need = -(-ncores // tiles(blocks))
-        # largest block along d that still gives `need` more tiles (else the smallest block)
-        ok = [b for b in cands[d] if extents[d] // b >= need]
-        blocks[d] = max(ok) if ok else min(cands[d])
-    while plan_bytes(blocks, tiles(blocks) > ncores) > cap:
-        for d in range(len(extents)):
-            smaller = [b for b in cands[d] if b < blocks[d]]
-            if smaller:
-                blocks[d] = max(smaller)
-                break
-        else:
-            need = plan_bytes(blocks, tiles(blocks) > ncores)
-            raise TilingError(
-                f"spyre: {what} cannot be tiled into the usable scratchpad ({cap} B per core): "
-                f"the smallest tiling needs {need} B" + (f"\n  at: {source}" if source else "")
-            )
-    return blocks
-
-
-# ---------------------------------------------------------------------------------------------
-# work division tables
-
-
-def _tables(
-    grid: tuple[int, ...],
-    operands: list[Operand],
-    layouts: list[TensorLayout],
-    ncores: int,
-    reduce_axis: int = -1,
-) -> tuple:
-    """Build loads/ring/stores/first/last for ``operands`` (the last is the output)."""
-    par_axes = [a for a in range(len(grid)) if a != reduce_axis]
-    par_grid = [grid[a] for a in par_axes]
-    ntiles = math.prod(par_grid)
-    nk = grid[reduce_axis] if reduce_axis >= 0 else 1
-    psteps = -(-ntiles // ncores)
-    coords_par = (
-        np.array(np.unravel_index(np.arange(ntiles), par_grid)).T
-        if par_grid
-        else np.zeros((ntiles, 0), np.int64)
-    )
-
-    def block_index(op: Operand, lay: TensorLayout, coord: dict[int, int]) -> int:
-        nb = blocks_of(lay.device_shape, op.block)
-        idx = [coord.get(g, 0) if g >= 0 else 0 for g in op.grid_dims]
-        return int(np.ravel_multi_index(idx, nb)) if nb else 0
-
-    loads, ring, stores, first, last = [], [], [], [], []
-    for s in range(psteps):
-        for k in range(nk):
-            lrow = [[-1] * ncores for _ in operands[:-1]]
-            rrow = [[-1] * ncores for _ in operands[:-1]]
-            srow = [-1] * ncores
-            for c in range(ncores):
-                p = s * ncores + c
-                if p >= ntiles:
-                    continue
-                coord = {a: int(coords_par[p][i]) for i, a in enumerate(par_axes)}
-                if reduce_axis >= 0:
-                    coord[reduce_axis] = k
-                for i, (op, lay) in enumerate(zip(operands[:-1], layouts[:-1], strict=True)):
-                    b = block_index(op, lay, coord)
-                    owner = next((o for o in range(c) if lrow[i][o] == b), -1)
-                    if owner >= 0:
-                        rrow[i][c] = owner
-                    else:
-                        lrow[i][c] = b
-                if k == nk - 1:
-                    srow[c] = block_index(operands[-1], layouts[-1], coord)
-            loads.append(tuple(tuple(r) for r in lrow))
-            ring.append(tuple(tuple(r) for r in rrow))
-            stores.append(tuple(srow))
-            first.append(k == 0)
-            last.append(k == nk - 1)
-    return tuple(loads), tuple(ring), tuple(stores), tuple(first), tuple(last)
-
-
-def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]], stick: int) -> tuple[SpBuf, ...]:
-    """Lay the buffers out one after another, each slot a whole number of sticks."""
-    out, off = [], 0
-    for name, block, dtype, slots in bufs:
-        sb = _align(math.prod(block) * DTYPES[dtype], stick)
-        out.append(SpBuf(name, off, sb, slots, tuple(block), dtype))
-        off += sb * slots
-    return tuple(out)
-
-
-def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int, stick: int) -> int:
-    """Scratchpad bytes of buffers for ``blocks``, ``slots`` each, each slot whole sticks."""
-    return sum(_align(math.prod(b) * DTYPES[d], stick) * slots for b, d in blocks)
-
-
 # ---------------------------------------------------------------------------------------------
 # per-kind stage builders
-
-
-_REDUCTIONS = frozenset({"sum", "max", "min", "prod", "argmax", "argmin"})
 
 
 def map_fits(n: Node, card: CardSpec) -> bool:
@@ -233,6 +87,30 @@ def map_fits(n: Node, card: CardSpec) -> bool:
 
 
 def _map_stage(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
+    """A map node's stages: whole blocks first (:func:`_map_stage_whole`); when no such
+    tiling fits, the general tiling (:func:`_map_general`: ragged edge blocks, windows of
+    slices, a reduction split across steps). ``dry`` (the fusion pass's question) tries the
+    first only: a fusion is made only where the fused map fits with whole rows."""
+    try:
+        return _map_stage_whole(ctx, n, dry)
+    except TilingError as err:
+        if dry:
+            raise
+        first_err = err
+    body: MapBody = n.p("body")
+    return _map_general(
+        ctx,
+        body,
+        [ctx.name(v) for v in n.inputs],
+        [ctx.layout(v) for v in n.inputs],
+        ctx.name(n.out),
+        ctx.layout(n.out),
+        n.source,
+        first_err,
+    )
+
+
+def _map_stage_whole(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
     """A map node's stage; a reduction that does not fit goes through a one-per-stick temp.
 
     The output's last dim is its stick dim, so tiles of the output's rows come in whole output
@@ -407,62 +285,7 @@ def _map_plan(
     )
 
 
-#: map-program ops that move or retype data and do no arithmetic (no flops)
-_MOVES = frozenset({"const", "copy", "convert", "select_n"})
-
-
-def _op_extents(body: MapBody) -> list[int]:
-    """Per program op, the elements it computes: the product of the space dims its result varies
-    along (an op on a row's reduced value, or on a broadcast input, runs once per row)."""
-    dims: list[frozenset[int]] = [
-        frozenset(g for j, g in enumerate(v.dims) if g >= 0 and not v.bcast[j]) for v in body.views
-    ]
-    out = []
-    for op, args, param, _ in body.program:
-        d = frozenset().union(*(dims[a] for a in args)) if args else frozenset()
-        if op in ROW_REDUCTIONS:
-            d = d - set(param)
-        dims.append(d)
-        out.append(math.prod(body.space[g] for g in d))
-    return out
-
-
-def _map_work(body: MapBody, card: CardSpec) -> tuple[int, int]:
-    """(SFU element-ops, flops) of a map body over its whole space.
-
-    SFU: one pass per element of each op (``sfu_ops_per_elem_transcendental`` for
-    transcendental ones; an in-program reduction reads every element of its input once) and one
-    per element for the final reduction. Flops as XLA's cost analysis counts them: one per
-    element per arithmetic op (moves, converts and selects count none); an in-program reduction
-    counts one per element reduced.
-    """
-    sfu = flops = 0
-    full = math.prod(body.space)
-    for (op, _args, param, _), n in zip(body.program, _op_extents(body), strict=True):
-        if op == "const":
-            continue
-        if op in ROW_REDUCTIONS:
-            n *= math.prod(body.space[a] for a in param)
-        sfu += n * (card.sfu_ops_per_elem_transcendental if op in TRANSCENDENTAL else 1)
-        if op not in _MOVES:
-            flops += n
-    if body.reduce:
-        sfu += full
-        flops += full
-    return sfu, flops
-
-
-def _describe(body: MapBody) -> str:
-    ops = [p[0] for p in body.program if p[0] != "const"]
-    return ",".join(ops[:6]) + (f" then {body.reduce}" if body.reduce else "")
-
-
-#: the tiler's guess at a step's fixed cost when it ranks matmul tilings (a tie-breaker that
-#: favours fewer steps; a heuristic of the tiler, not a figure of the card or the timing model)
-_STEP_OVERHEAD_S = 1e-7
-
-
-def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
+def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
@@ -551,7 +374,7 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
     )
 
 
-def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
+def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     table, idx = n.inputs
     li, lo = ctx.layout(idx), ctx.layout(n.out)
     (N,) = idx.shape
@@ -589,7 +412,7 @@ def _gather_stage(ctx: _Ctx, n: Node) -> Stage:
     )
 
 
-def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
+def _reshape_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     (x,) = n.inputs
     src, dst = x.shape or (1,), n.out.shape or (1,)
     l_in, l_out = src[-1], dst[-1]
@@ -632,7 +455,7 @@ def _reshape_stage(ctx: _Ctx, n: Node) -> Stage:
     )
 
 
-def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
+def _concat_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     ax = n.p("axis")
     lays = [ctx.layout(v) for v in n.inputs]
     lo = ctx.layout(n.out)
@@ -688,6 +511,94 @@ def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# tensors without elements
+
+
+def _is_empty(v: Var) -> bool:
+    return bool(v.shape) and math.prod(v.shape) == 0
+
+
+def _fill_stages(ctx: _Ctx, v: Var, value: Any, source: str) -> list[Stage]:
+    """A stage that writes ``value`` into every element of ``v`` (no inputs)."""
+    body = MapBody(v.shape, (), (("const", (), value, v.dtype),), "", (), v.dtype)
+    lay = ctx.layout(v)
+    try:
+        st = _map_plan(ctx, body, [], [], ctx.name(v), lay, f"s{len(ctx.stages)}", source)
+        assert st is not None
+        return [st]
+    except TilingError as err:
+        return _map_general(ctx, body, [], [], ctx.name(v), lay, source, err)
+
+
+def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
+    """The stages of a node with a non-empty output that reads no elements (an input or the
+    map's space has a 0), or None when the node is scheduled as usual."""
+    if n.op == "map":
+        body: MapBody = n.p("body")
+        if 0 not in body.space:
+            return None
+        kind = body.reduce
+        if kind in ("argmax", "argmin"):
+            raise TilingError(
+                f"spyre: {kind} over an empty axis has no result"
+                + (f"\n  at: {n.source}" if n.source else "")
+            )
+        if kind not in ("sum", "prod", "max", "min"):  # pragma: no cover - the output is empty
+            raise TilingError(f"spyre: a map over an empty space with a non-empty result: {body}")
+        value = reduce_identity(kind, np_dtype(compute_dtype(n.out.dtype)))
+        return _fill_stages(ctx, n.out, value.item(), n.source)
+    if n.op == "matmul" and n.inputs[0].shape[2] == 0:
+        return _fill_stages(ctx, n.out, 0, n.source)
+    if n.op == "gather" and n.inputs[0].shape[0] == 0:
+        fill = n.p("fill_value")
+        if fill is None:
+            fill = float("nan") if n.out.dtype in ("float16", "bfloat16", "float32") else 0
+        return _fill_stages(ctx, n.out, fill, n.source)
+    if n.op == "concatenate" and any(_is_empty(v) for v in n.inputs):
+        keep = tuple(v for v in n.inputs if not _is_empty(v))
+        if len(keep) == 1:
+            (x,) = keep
+            r = len(x.shape)
+            body = MapBody(
+                x.shape, (InputView.identity(r),), (("copy", (0,), None, x.dtype),), "", (), x.dtype
+            )
+            m = Node("map", keep, n.outputs, (("body", body),), n.source)
+            return _map_stage(ctx, m)
+        return _concat_stage(ctx, Node(n.op, keep, n.outputs, n.params, n.source))
+    return None
+
+
+def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
+    try:
+        return _matmul_stage_whole(ctx, n)
+    except TilingError as err:
+        return _matmul_general(ctx, n, err)
+
+
+def _gather_stage(ctx: _Ctx, n: Node) -> list[Stage]:
+    try:
+        return [_gather_stage_whole(ctx, n)]
+    except TilingError as err:
+        return _gather_general(ctx, n, err)
+
+
+def _reshape_stage(ctx: _Ctx, n: Node) -> list[Stage]:
+    mark = ctx.mark()
+    try:
+        return [_reshape_stage_whole(ctx, n)]
+    except TilingError as err:
+        ctx.rollback(mark)
+        return _reshape_general(ctx, n, err)
+
+
+def _concat_stage(ctx: _Ctx, n: Node) -> Stage:
+    try:
+        return _concat_stage_whole(ctx, n)
+    except TilingError as err:
+        return _concat_general(ctx, n, err)
+
+
 _BUILDERS = {
     "map": _map_stage,
     "matmul": _matmul_stage,
@@ -706,6 +617,12 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
     for n in g.nodes:
         for o in n.outputs:
             ctx.declare(o, "temp")
+        if any(_is_empty(o) for o in n.outputs):
+            continue  # nothing to compute or store
+        empty = _empty_input_stages(ctx, n)
+        if empty is not None:
+            ctx.stages.extend(empty)
+            continue
         if n.op == "reshape":
             (x,) = n.inputs
             if is_free_reshape(x.shape, n.out.shape, x.dtype, card.stick_bytes):
@@ -714,7 +631,7 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
                 ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "view")
                 ctx.aliases.append((nm, ctx.name(x)))
                 continue
-            ctx.stages.append(_reshape_stage(ctx, n))
+            ctx.stages.extend(_reshape_stage(ctx, n))
             continue
         builder = _BUILDERS.get(n.op)
         if builder is None:

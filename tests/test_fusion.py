@@ -248,8 +248,16 @@ def test_fused_stage_double_buffers_under_a_small_scratchpad(small_card):
     assert st.sp_peak_bytes <= card.scratchpad_usable_bytes
 
 
-def test_rows_that_fit_nowhere_still_raise(small_card):
-    small_card(scratchpad_bytes=4096)
+def test_rows_that_fit_nowhere_run_unfused(small_card):
+    """Rows far longer than the scratchpad: the fusion is refused and the unfused stages split
+    each row across steps; only a card without room for one stick per buffer raises."""
+    card = small_card(scratchpad_bytes=4096)
+    x = _arr((4, 100000), F16, seed=22) * 3
+    _check(_softmax, x, chain=3)
+    low = spyre_jax.jit(_softmax).lower(x)
+    assert len(low.kernel.stages) > 1 and not any(_row_ops(s) for s in low.kernel.stages)
+    assert low.compile().cost_analysis()["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
+    small_card(scratchpad_bytes=256)
     with pytest.raises(TilingError, match="scratchpad"):
         spyre_jax.jit(_softmax)(np.ones((4, 100000), np.float16))
 

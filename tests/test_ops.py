@@ -733,11 +733,18 @@ def test_small_scratchpad_softmax_256x1000(small_card):
     assert cost["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
 
 
-def test_tiny_scratchpad_long_row_raises(small_card):
+def test_tiny_scratchpad_long_row_tiles(small_card):
+    """A reduction over rows far longer than the scratchpad is split across steps (a carried
+    fp32 accumulator); only a card that cannot hold one stick per buffer raises."""
     card = small_card(scratchpad_bytes=4096)
-    x = np.ones((4, 100000), np.float16)
+    x = _arr((4, 100000), np.float16, seed=55)
+    f = lambda a: jnp.sum(a, axis=-1)
+    _check(f, x, k=100000)
+    cost = spyre_jax.jit(f).lower(x).compile().cost_analysis()
+    assert cost["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
+    card = small_card(scratchpad_bytes=256)  # one 128-byte stick usable
     with pytest.raises(spyre_jax.TilingError, match="scratchpad") as ei:
-        spyre_jax.jit(lambda a: jnp.sum(a, axis=-1))(x)
+        spyre_jax.jit(f)(x)
     assert str(card.scratchpad_usable_bytes) in str(ei.value)
 
 

@@ -1,0 +1,488 @@
+"""General tiling of the data-movement and PE nodes (matmul, gather, reshape, concatenate),
+used when a node has no tiling in whole blocks (see :mod:`lowering.schedule`): ragged blocks
+along every dim, a matmul's K split across steps with fp32 partial sums, re-layouts in chunks
+of rows, concatenations tiled along their axis through windows of the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from device_model.kernel import Operand, Stage, TensorDecl
+from device_model.layout import layout_for
+from device_model.ops import (
+    ConcatBody,
+    GatherBody,
+    MatmulBody,
+    ReshapeBody,
+)
+
+from .errors import TilingError
+from .graph import Node
+from .tiling import (
+    _STEP_OVERHEAD_S,
+    _align,
+    _cands,
+    _choose_general,
+    _Ctx,
+    _NoFit,
+    _ragged_cands,
+    _tables,
+)
+
+
+def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
+    """A matmul in ragged blocks: M in rows, N in whole sticks, K split across steps in whole
+    lhs sticks (fp32 partial sums carried in the accumulator; a last K block past K is
+    masked). Single-buffered when nothing else fits."""
+    a, b = n.inputs
+    la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
+    B, M, K = a.shape
+    N = b.shape[2]
+    Kp, Np, No = la.device_shape[2], lb.device_shape[2], lo.device_shape[2]
+    q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
+    card = ctx.card
+    al = lambda x: -(-x // card.stick_bytes) * card.stick_bytes  # noqa: E731
+    tm_c = np.asarray([M] + _ragged_cands(M, 1), np.int64)
+    tn_c = np.asarray([0] + _ragged_cands(N, q), np.int64)  # 0: the whole N
+    tk_c = np.asarray([0] + _ragged_cands(K, la.elems_per_stick), np.int64)  # 0: the whole K
+    TM, TN, TK = (x.reshape(-1) for x in np.meshgrid(tm_c, tn_c, tk_c, indexing="ij"))
+    wn, wk = TN == 0, TK == 0
+    gm = -(-M // TM)
+    gn = np.where(wn, 1, -(-N // np.maximum(TN, 1)))
+    gk = np.where(wk, 1, -(-K // np.maximum(TK, 1)))
+    tn_r = np.where(wn, Np, TN)  # the rhs block's (and the accumulator's) N
+    tn_o = np.where(wn, No, TN)
+    tkp = np.where(wk, Kp, TK)  # the lhs block's K
+    tkr = np.where(wk, K, TK)  # the rhs block's K
+    ntiles = B * gm * gn
+    steps = -(-ntiles // ctx.ncores) * gk
+    alv = np.vectorize(al, otypes=[np.int64])
+    best = None
+    for single in (False, True):
+        slots = np.where(single | (steps > 1), np.where(single, 1, 2), 1)
+        plan = (
+            alv(TM * tkp * la.itemsize) * slots
+            + alv(tkr * tn_r * lb.itemsize) * slots
+            + alv(TM * tn_o * lo.itemsize) * slots
+            + alv(TM * tn_r * 4)
+        )
+        ok = plan <= ctx.cap
+        if not ok.any():
+            continue
+        per = np.minimum(ntiles, ctx.ncores)
+        uniq_a = np.minimum(per, np.maximum(1, -(-per // gn)))
+        uniq_b = np.minimum(per, gn)
+        load = (uniq_a * TM * tkp * la.itemsize + uniq_b * tkr * tn_r * lb.itemsize) / (
+            card.device_memory_bw
+        )
+        comp = 2 * TM * tn_r * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+        over = 0.0 if not single else 1.0
+        est = load + (steps - 1) * (np.maximum(load, comp) + over * np.minimum(load, comp))
+        est = est + comp + steps * _STEP_OVERHEAD_S
+        est = np.where(ok, est, np.inf)
+        fastest = est.min()
+        near = np.flatnonzero(est <= 1.1 * fastest)
+        pick = near[np.lexsort((est[near], steps[near]))[0]]
+        best = (int(TM[pick]), int(TN[pick]), int(TK[pick]), single)
+        break
+    if best is None:
+        one = (
+            al(la.elems_per_stick * la.itemsize) * 1
+            + al(lb.elems_per_stick * q * lb.itemsize)
+            + al(q * lo.itemsize)
+            + al(q * 4)
+        )
+        raise TilingError(
+            f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
+            f"({ctx.cap} B per core): even blocks of one stick need about {one} B"
+            + (f"\n  at: {n.source}" if n.source else "")
+        ) from first_err
+    tm, tn, tk, single = best
+    whole_n, whole_k = tn == 0, tk == 0
+    gm = -(-M // tm)
+    gn = 1 if whole_n else -(-N // tn)
+    gk = 1 if whole_k else -(-K // tk)
+    grid = (B, gm, gn, gk)
+    tn_r, tn_o = (Np, No) if whole_n else (tn, tn)
+    if whole_k:
+        lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
+        rhs = Operand(ctx.name(b), (1, K, tn_r), (0, -1, 2), "rhs")
+    else:
+        lhs = Operand(ctx.name(a), (1, tm, tk), (0, 1, 3), "lhs")
+        rhs = Operand(ctx.name(b), (1, tk, tn_r), (0, 3, 2), "rhs")
+    out = Operand(ctx.name(n.out), (1, tm, tn_o), (0, 1, 2), "out")
+    steps = -(-(B * gm * gn) // ctx.ncores) * gk
+    slots = 1 if single else (2 if steps > 1 else 1)
+    scratch = ctx.sp_plan(
+        [
+            ("lhs", lhs.block, la.dtype, slots),
+            ("rhs", rhs.block, lb.dtype, slots),
+            ("acc", (1, tm, tn_r), "float32", 1),
+            ("out", out.block, lo.dtype, slots),
+        ]
+    )
+    tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "matmul",
+        grid,
+        3,
+        (lhs, rhs),
+        out,
+        scratch,
+        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
+        *tabs,
+        flops=2 * B * M * N * K,
+        source=n.source,
+    )
+
+
+def _gather_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
+    """A gather in ragged blocks of index rows (whole int32 sticks) and whole-stick column
+    blocks dividing the row; the table stays in device memory whatever its size (rows are
+    fetched by index)."""
+    table, idx = n.inputs
+    li, lo = ctx.layout(idx), ctx.layout(n.out)
+    (N,) = idx.shape
+    Dp = lo.device_shape[1]
+    cands = {
+        0: _ragged_cands(N, li.elems_per_stick),
+        1: [d for d in sorted(_cands(Dp, lo.elems_per_stick), reverse=True) if d < Dp],
+    }
+
+    def blocks(bl: dict[int, int | None]) -> tuple[int, int, int]:
+        tr = N if bl[0] is None else bl[0]
+        trp = li.device_shape[0] if bl[0] is None else bl[0]
+        td = Dp if bl[1] is None else bl[1]
+        return tr, trp, td
+
+    need = 0
+    for single in (False, True):
+
+        def plan(bl: dict[int, int | None], multi: bool, single: bool = single) -> int:
+            tr, trp, td = blocks(bl)
+            slots = 1 if single else (2 if multi else 1)
+            return ctx.plan_bytes([((trp,), "int32"), ((tr, td), lo.dtype)], slots)
+
+        try:
+            bl = _choose_general({0: N, 1: Dp}, cands, [0, 1], [], plan, ctx.cap, ctx.ncores)
+            break
+        except _NoFit as e:
+            need = e.need
+    else:
+        raise TilingError(
+            f"spyre: gather cannot be tiled into the usable scratchpad ({ctx.cap} B per core): "
+            f"even the smallest tiling (a stick of indices and their rows) needs {need} B"
+            + (f"\n  at: {n.source}" if n.source else "")
+        ) from first_err
+    tr, trp, td = blocks(bl)
+    grid = (-(-N // tr), Dp // td)
+    iop = Operand(ctx.name(idx), (trp,), (0 if bl[0] is not None else -1,), "idx")
+    out = Operand(ctx.name(n.out), (tr, td), (0, 1), "rows")
+    multi = -(-math.prod(grid) // ctx.ncores) > 1
+    slots = 1 if single else (2 if multi else 1)
+    scratch = ctx.sp_plan(
+        [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
+    )
+    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
+    body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"), n.p("fill_value"))
+    return [
+        Stage(
+            f"s{len(ctx.stages)}",
+            "gather",
+            grid,
+            -1,
+            (iop,),
+            out,
+            scratch,
+            (("LSU", "gather", body),),
+            *tabs,
+            source=n.source,
+        )
+    ]
+
+
+def _reshape_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
+    """A re-layout in ragged row blocks, rows split into chunks when one does not fit.
+
+    With ``l_in``/``l_out`` the logical row lengths before and after: when ``l_out`` divides
+    ``l_in`` each input row becomes ``R = l_in / l_out`` output rows, read as a ``(rows, R,
+    l_out)`` view of the output, and a block may hold ``m`` of them (its ``m * l_out`` input
+    elements whole sticks; the last chunk of a row ragged); the other way round likewise.
+    Otherwise blocks hold whole groups of rows that end together on both sides; when those do
+    not fit either, the re-layout goes through rows of ``gcd(l_in, l_out)``.
+    """
+    (x,) = n.inputs
+    src, dst = x.shape or (1,), n.out.shape or (1,)
+    l_in, l_out = src[-1], dst[-1]
+    r_in, r_out = math.prod(src[:-1]), math.prod(dst[:-1])
+    base_in, base_out = ctx.name(x), ctx.name(n.out)
+    dt = x.dtype
+    stick = ctx.card.stick_bytes
+    mark = ctx.mark()
+    try:
+        if l_in % l_out == 0 or l_out % l_in == 0:
+            return [_reshape_chunks(ctx, n, base_in, base_out, dt, l_in, l_out, r_in, r_out)]
+        return [_reshape_groups(ctx, n, base_in, base_out, dt, l_in, l_out, r_in, r_out)]
+    except _NoFit as e:
+        need = e.need
+        ctx.rollback(mark)
+    g = math.gcd(l_in, l_out)
+    if g not in (l_in, l_out):
+        mid = f"{base_out}_m{len(ctx.decls)}"
+        total = r_in * l_in
+        ctx.decls[mid] = TensorDecl(mid, layout_for((total // g, g), dt, stick), "temp")
+        try:
+            s1 = _reshape_chunks(ctx, n, base_in, mid, dt, l_in, g, r_in, total // g)
+            s2 = _reshape_chunks(ctx, n, mid, base_out, dt, g, l_out, total // g, r_out, 1)
+            return [s1, s2]
+        except _NoFit as e:
+            need = min(need, e.need)
+            ctx.rollback(mark)
+        del ctx.decls[mid]
+    raise TilingError(
+        f"spyre: reshape {x.shape} -> {n.out.shape} cannot be tiled into the usable scratchpad "
+        f"({ctx.cap} B per core): the smallest tiling needs {need} B"
+        + (f"\n  at: {n.source}" if n.source else "")
+    ) from first_err
+
+
+def _reshape_chunks(
+    ctx: _Ctx,
+    n: Node,
+    base_in: str,
+    base_out: str,
+    dt: str,
+    l_in: int,
+    l_out: int,
+    r_in: int,
+    r_out: int,
+    offset: int = 0,
+) -> Stage:
+    """A re-layout where one row length divides the other (see :func:`_reshape_general`); the
+    stage is numbered ``offset`` past the ones already scheduled."""
+    finer = l_in % l_out == 0  # each input row makes R output rows
+    R = l_in // l_out if finer else l_out // l_in
+    rows = r_in if finer else r_out
+    if finer:
+        vin = ctx.view(base_in, (rows, l_in), dt)
+        vout = ctx.view(base_out, (rows, R, l_out), dt)
+    else:
+        vin = ctx.view(base_in, (rows, R, l_in), dt)
+        vout = ctx.view(base_out, (rows, l_out), dt)
+    li, lo = ctx.decls[vin].layout, ctx.decls[vout].layout
+    eps = (li if finer else lo).elems_per_stick
+    unit = l_out if finer else l_in
+    # m rows per chunk: m * unit elements of the long rows, whole sticks (the last chunk ragged)
+    cands = {0: _ragged_cands(rows, 1), 1: _ragged_cands(R, eps // math.gcd(eps, unit))}
+
+    def blocks(bl: dict[int, int | None]) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+        rb = rows if bl[0] is None else bl[0]
+        m = bl[1]
+        if finer:
+            ib = (rb, li.device_shape[1] if m is None else m * l_out)
+            ob = (rb, R if m is None else m, lo.device_shape[2])
+            return ib, ob, (l_in if m is None else m * l_out), l_out
+        ib = (rb, R if m is None else m, li.device_shape[2])
+        ob = (rb, lo.device_shape[1] if m is None else m * l_in)
+        return ib, ob, l_in, (l_out if m is None else m * l_in)
+
+    bl = None
+    for single in (False, True):
+
+        def plan(bl: dict[int, int | None], multi: bool, single: bool = single) -> int:
+            ib, ob, _, _ = blocks(bl)
+            slots = 1 if single else (2 if multi else 1)
+            return ctx.plan_bytes([(ib, dt), (ob, dt)], slots)
+
+        try:
+            bl = _choose_general({0: rows, 1: R}, cands, [0, 1], [], plan, ctx.cap, ctx.ncores)
+            break
+        except _NoFit:
+            if single:
+                raise
+    assert bl is not None
+    ib, ob, le_in, le_out = blocks(bl)
+    g0 = 1 if bl[0] is None else -(-rows // bl[0])
+    g1 = 1 if bl[1] is None else -(-R // bl[1])
+    grid = (g0, g1)
+    d0 = 0 if bl[0] is not None else -1
+    d1 = 1 if bl[1] is not None else -1
+    if finer:
+        iop = Operand(vin, ib, (d0, d1), "in")
+        out = Operand(vout, ob, (d0, d1, -1), "out")
+    else:
+        iop = Operand(vin, ib, (d0, d1, -1), "in")
+        out = Operand(vout, ob, (d0, d1), "out")
+    multi = -(-g0 * g1 // ctx.ncores) > 1
+    slots = 1 if single else (2 if multi else 1)
+    scratch = ctx.sp_plan([("in", iop.block, dt, slots), ("out", out.block, dt, slots)])
+    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
+    return Stage(
+        f"s{len(ctx.stages) + offset}",
+        "reshape",
+        grid,
+        -1,
+        (iop,),
+        out,
+        scratch,
+        (("LSU", "reshape", ReshapeBody(le_in, le_out)),),
+        *tabs,
+        source=n.source,
+    )
+
+
+def _reshape_groups(
+    ctx: _Ctx,
+    n: Node,
+    base_in: str,
+    base_out: str,
+    dt: str,
+    l_in: int,
+    l_out: int,
+    r_in: int,
+    r_out: int,
+) -> Stage:
+    """A re-layout in ragged blocks of row groups that end together on both sides."""
+    vin = ctx.view(base_in, (r_in, l_in), dt)
+    vout = ctx.view(base_out, (r_out, l_out), dt)
+    li, lo = ctx.decls[vin].layout, ctx.decls[vout].layout
+    q = math.lcm(l_in, l_out) // l_out
+    cands = {0: [c for c in _ragged_cands(r_out, q) if c % q == 0]}
+    for single in (False, True):
+
+        def plan(bl: dict[int, int | None], multi: bool, single: bool = single) -> int:
+            ro = r_out if bl[0] is None else bl[0]
+            ri = r_in if bl[0] is None else ro * l_out // l_in
+            slots = 1 if single else (2 if multi else 1)
+            return ctx.plan_bytes(
+                [((ri, li.device_shape[1]), dt), ((ro, lo.device_shape[1]), dt)], slots
+            )
+
+        try:
+            bl = _choose_general({0: r_out}, cands, [0], [], plan, ctx.cap, ctx.ncores)
+            break
+        except _NoFit:
+            if single:
+                raise
+    ro = r_out if bl[0] is None else bl[0]
+    ri = r_in if bl[0] is None else ro * l_out // l_in
+    grid = (-(-r_out // ro),)
+    d0 = 0 if bl[0] is not None else -1
+    iop = Operand(vin, (ri, li.device_shape[1]), (d0, -1), "in")
+    out = Operand(vout, (ro, lo.device_shape[1]), (d0, -1), "out")
+    slots = 1 if single else (2 if -(-grid[0] // ctx.ncores) > 1 else 1)
+    scratch = ctx.sp_plan([("in", iop.block, dt, slots), ("out", out.block, dt, slots)])
+    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "reshape",
+        grid,
+        -1,
+        (iop,),
+        out,
+        scratch,
+        (("LSU", "reshape", ReshapeBody(l_in, l_out)),),
+        *tabs,
+        source=n.source,
+    )
+
+
+def _concat_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
+    """A concatenation tiled along every dim, the axis included: output block ``k`` along the
+    axis reads from each input the window of its positions (a window starts a whole stick
+    before when the input's offset is not stick-aligned) and takes each position from the
+    input whose range holds it."""
+    ax = n.p("axis")
+    lays = [ctx.layout(v) for v in n.inputs]
+    lo = ctx.layout(n.out)
+    S = n.out.shape
+    r = len(S)
+    sizes = tuple(v.shape[ax] for v in n.inputs)
+    offsets = tuple(int(x) for x in np.cumsum((0, *sizes[:-1])))
+    quant = [lo.elems_per_stick if d == r - 1 else 1 for d in range(r)]
+    cands = {d: _ragged_cands(S[d], quant[d]) for d in range(r)}
+    par = [d for d in range(r) if cands[d]]
+
+    def layout_of(bl: dict[int, int | None]) -> tuple:
+        ob = tuple(lo.device_shape[d] if bl.get(d) is None else bl[d] for d in range(r))
+        ins = []
+        for lay, off in zip(lays, offsets, strict=True):
+            blk, org, stp = [], [], []
+            loc = 0
+            for d in range(r):
+                if d == ax and bl.get(d) is not None:
+                    q, b = quant[d], bl[d]
+                    o = ((-off) // q) * q
+                    loc = -off - o
+                    blk.append(_align(loc + b, q))
+                    org.append(o)
+                    stp.append(b)
+                else:
+                    bb = lay.device_shape[d] if bl.get(d) is None else bl[d]
+                    blk.append(bb)
+                    org.append(0)
+                    stp.append(bb)
+            ins.append((tuple(blk), tuple(org), tuple(stp), loc))
+        return ob, ins
+
+    for single in (False, True):
+
+        def plan(bl: dict[int, int | None], multi: bool, single: bool = single) -> int:
+            ob, ins = layout_of(bl)
+            slots = 1 if single else (2 if multi else 1)
+            items = [(w[0], lay.dtype) for w, lay in zip(ins, lays, strict=True)]
+            return ctx.plan_bytes(items + [(ob, lo.dtype)], slots)
+
+        try:
+            bl = _choose_general(dict(enumerate(S)), cands, par, [], plan, ctx.cap, ctx.ncores)
+            break
+        except _NoFit as e:
+            need = e.need
+    else:
+        raise TilingError(
+            f"spyre: concatenate cannot be tiled into the usable scratchpad ({ctx.cap} B per "
+            f"core): even the smallest tiling needs {need} B"
+            + (f"\n  at: {n.source}" if n.source else "")
+        ) from first_err
+    ob, ins = layout_of(bl)
+    grid = tuple(1 if bl.get(d) is None else -(-S[d] // bl[d]) for d in range(r))
+    gd = tuple(-1 if bl.get(d) is None else d for d in range(r))
+    inputs = []
+    for i, (v, (blk, org, stp, _)) in enumerate(zip(n.inputs, ins, strict=True)):
+        windowed = any(org) or stp != blk
+        inputs.append(
+            Operand(
+                ctx.name(v), blk, gd, f"in{i}", org if windowed else (), stp if windowed else ()
+            )
+        )
+    out = Operand(ctx.name(n.out), ob, gd, "out")
+    multi = -(-math.prod(grid) // ctx.ncores) > 1
+    slots = 1 if single else (2 if multi else 1)
+    scratch = ctx.sp_plan(
+        [
+            (f"in{i}", op.block, lay.dtype, slots)
+            for i, (op, lay) in enumerate(zip(inputs, lays, strict=True))
+        ]
+        + [("out", ob, lo.dtype, slots)]
+    )
+    tabs = _tables(grid, [*inputs, out], [*lays, lo], ctx.ncores)
+    if bl.get(ax) is None:
+        body = ConcatBody(ax, sizes)
+    else:
+        body = ConcatBody(ax, sizes, bl[ax], offsets, tuple(w[3] for w in ins), grid)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "concat",
+        grid,
+        -1,
+        tuple(inputs),
+        out,
+        scratch,
+        (("LSU", "concat", body),),
+        *tabs,
+        source=n.source,
+    )
