@@ -43,7 +43,6 @@ from device_model.ops import (
     GatherBody,
     InputView,
     MapBody,
-    MatmulBody,
     ReshapeBody,
     compute_dtype,
     reduce_identity,
@@ -64,6 +63,7 @@ from .tiling import (
     _divisors,
     _map_work,
     _tables,
+    matmul_stage,
 )
 
 __all__ = ["schedule", "map_fits"]
@@ -289,7 +289,6 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
-    N = b.shape[2]
     Kp, Np, No = la.device_shape[2], lb.device_shape[2], lo.device_shape[2]
     # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to different
     # extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides both, and N is one
@@ -350,28 +349,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 2 if steps > 1 else 1
-    scratch = ctx.sp_plan(
-        [
-            ("lhs", lhs.block, la.dtype, slots),
-            ("rhs", rhs.block, lb.dtype, slots),
-            ("acc", (1, tm, tn), "float32", 1),
-            ("out", out.block, lo.dtype, slots),
-        ]
-    )
-    tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "matmul",
-        grid,
-        3,
-        (lhs, rhs),
-        out,
-        scratch,
-        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
-        *tabs,
-        flops=2 * B * M * N * K,
-        source=n.source,
-    )
+    return matmul_stage(ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn))
 
 
 def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:

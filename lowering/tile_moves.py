@@ -15,7 +15,6 @@ from device_model.layout import layout_for
 from device_model.ops import (
     ConcatBody,
     GatherBody,
-    MatmulBody,
     ReshapeBody,
 )
 
@@ -30,6 +29,7 @@ from .tiling import (
     _NoFit,
     _ragged_cands,
     _tables,
+    matmul_stage,
 )
 
 
@@ -116,28 +116,7 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     out = Operand(ctx.name(n.out), (1, tm, tn_o), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 1 if single else (2 if steps > 1 else 1)
-    scratch = ctx.sp_plan(
-        [
-            ("lhs", lhs.block, la.dtype, slots),
-            ("rhs", rhs.block, lb.dtype, slots),
-            ("acc", (1, tm, tn_r), "float32", 1),
-            ("out", out.block, lo.dtype, slots),
-        ]
-    )
-    tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "matmul",
-        grid,
-        3,
-        (lhs, rhs),
-        out,
-        scratch,
-        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
-        *tabs,
-        flops=2 * B * M * N * K,
-        source=n.source,
-    )
+    return matmul_stage(ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn_r))
 
 
 def _gather_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:

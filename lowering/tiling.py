@@ -20,10 +20,11 @@ from device_model.ops import (
     TRANSCENDENTAL,
     InputView,
     MapBody,
+    MatmulBody,
 )
 
 from .errors import TilingError
-from .graph import Var
+from .graph import Node, Var
 
 
 def _align(n: int, a: int) -> int:
@@ -378,3 +379,43 @@ def _window(
         starts.append(loc)
     local = InputView(view.dims, tuple(starts), view.strides, view.bcast)
     return tuple(blk), tuple(gd), tuple(org), tuple(stp), local
+
+
+def matmul_stage(
+    ctx: _Ctx,
+    n: Node,
+    grid: tuple[int, ...],
+    operands: tuple[Operand, Operand, Operand],
+    layouts: tuple[TensorLayout, TensorLayout, TensorLayout],
+    slots: int,
+    acc_block: tuple[int, ...],
+) -> Stage:
+    """The matmul stage over ``grid`` (axis 3 is K) for operand blocks already chosen: the
+    scratchpad plan (lhs, rhs, an fp32 accumulator of ``acc_block``, out), the tables, the
+    flops. Shared by the whole-block and the general tilers."""
+    lhs, rhs, out = operands
+    la, lb, lo = layouts
+    B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N], as the graph IR has it
+    N = n.inputs[1].shape[2]
+    scratch = ctx.sp_plan(
+        [
+            ("lhs", lhs.block, la.dtype, slots),
+            ("rhs", rhs.block, lb.dtype, slots),
+            ("acc", acc_block, "float32", 1),
+            ("out", out.block, lo.dtype, slots),
+        ]
+    )
+    tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
+    return Stage(
+        f"s{len(ctx.stages)}",
+        "matmul",
+        grid,
+        3,
+        (lhs, rhs),
+        out,
+        scratch,
+        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
+        *tabs,
+        flops=2 * B * M * N * K,
+        source=n.source,
+    )
