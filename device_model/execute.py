@@ -1,7 +1,7 @@
 """The card as one vectorized JAX program: every stage of a kernel over all its cores at once.
 
-``build_runner(kernel)`` turns a :class:`~device_model.kernel.Kernel` into one ``jax.jit``-ed
-function from the kernel's input device buffers to its output device buffers.
+:func:`run_stage` runs one stage of a :class:`~device_model.kernel.Kernel` and :func:`run_kernel`
+all of them, under ``jax.jit`` (``device_model.program.build_runner`` makes the jitted programs).
 
 Scratchpads. Every stage's buffer plan (:class:`~device_model.kernel.SpBuf`: name, offset, slots,
 block, dtype; the checker proves the buffers are stick-aligned, disjoint and within the usable
@@ -37,7 +37,6 @@ after the step's compute (single buffering).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +46,18 @@ import numpy as np
 from jax import lax
 
 from . import ops
-from .kernel import Kernel, Operand, SpBuf, Stage, blocks_of, operand_grid, resolve_aliases
+from .kernel import (
+    Kernel,
+    Operand,
+    SpBuf,
+    Stage,
+    blocks_of,
+    operand_grid,
+    resolve_aliases,
+)
 from .layout import np_dtype
 
 __all__ = [
-    "build_runner",
     "run_kernel",
     "run_stage",
     "to_blocks",
@@ -736,12 +742,3 @@ def run_kernel(kernel: Kernel, args: list[Any]) -> list[Any]:
             lay = decls[o].layout
             env[o] = jnp.zeros(lay.device_shape, np_dtype(lay.dtype))
     return [env[o] for o in kernel.outputs]
-
-
-def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
-    """One jitted program for the whole kernel: ``runner(*input_buffers) -> output_buffers``."""
-
-    def program(*args: jax.Array) -> list[jax.Array]:
-        return run_kernel(kernel, list(args))
-
-    return jax.jit(program, compiler_options=COMPILER_OPTIONS)

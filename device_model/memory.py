@@ -28,14 +28,17 @@ def format_bytes(n: int) -> str:
 class DeviceOOMError(MemoryError):
     """No free block of device memory fits a request. The allocator's state is unchanged."""
 
-    def __init__(self, requested: int, in_use: int, limit: int, largest_free: int) -> None:
+    def __init__(
+        self, requested: int, in_use: int, limit: int, largest_free: int, what: str = ""
+    ) -> None:
         self.requested = requested
         self.in_use = in_use
         self.limit = limit
         self.largest_free = largest_free
+        for_what = f" for {what}" if what else ""
         super().__init__(
-            f"spyre device memory: cannot allocate {format_bytes(requested)} ({requested} bytes):"
-            f" {format_bytes(in_use)} in use of {format_bytes(limit)},"
+            f"spyre device memory: cannot allocate {format_bytes(requested)} ({requested} bytes)"
+            f"{for_what}: {format_bytes(in_use)} in use of {format_bytes(limit)},"
             f" largest free block {format_bytes(largest_free)}"
         )
 

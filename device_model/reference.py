@@ -381,7 +381,7 @@ def run_kernel_reference(kernel: Kernel, args: list[np.ndarray]) -> list[np.ndar
 
 
 def reference_runner(kernel: Kernel) -> Callable[..., list[np.ndarray]]:
-    """Like :func:`device_model.execute.build_runner`: ``runner(*input_buffers) -> outputs``."""
+    """Like :func:`device_model.program.build_runner`: ``runner(*input_buffers) -> outputs``."""
 
     def runner(*args: Any) -> list[np.ndarray]:
         return run_kernel_reference(kernel, [np.asarray(a) for a in args])

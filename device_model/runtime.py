@@ -24,6 +24,7 @@ stands on it); the card program is built, and JAX imported, by the first launch.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -218,30 +219,59 @@ def to_device_layout(host: Any, layout: TensorLayout) -> np.ndarray:
     return a
 
 
-def check_fits(tensors: Iterable[tuple[tuple[int, ...], str]], rt: Runtime | None = None) -> None:
+def check_fits(
+    tensors: Iterable[tuple[tuple[int, ...], str]],
+    rt: Runtime | None = None,
+    *,
+    together: Iterable[tuple[tuple[int, ...], str]] = (),
+    what: str = "",
+) -> None:
     """DeviceOOMError, before anything is compiled or allocated, when one of ``tensors``
-    ((shape, dtype) pairs) cannot fit the card's device memory at all."""
+    ((shape, dtype) pairs) cannot fit the card's device memory at all, or when the tensors of
+    ``together`` (a model's weights and inputs: what must be in device memory at once) exceed it
+    in sum (the error names ``what``)."""
     rt = rt or _current
     st = rt.memory.stats()
     for shape, dtype in tensors:
         need = layout_for(tuple(shape), dtype, rt.card.stick_bytes).nbytes
         if need > st["bytes_limit"]:
             raise DeviceOOMError(
-                need, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"]
+                need, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"], what
             )
+    total = sum(layout_for(tuple(s), d, rt.card.stick_bytes).nbytes for s, d in together)
+    if total > st["bytes_limit"]:
+        raise DeviceOOMError(
+            total, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"], what
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # steps: copies, device-side copies, events, synchronization
 
 
-def copy_in(host: Any, layout: TensorLayout, *, rt: Runtime | None = None, tag: str = "copy_in"):
+def copy_in(
+    host: Any,
+    layout: TensorLayout,
+    *,
+    rt: Runtime | None = None,
+    tag: str = "copy_in",
+    alias: bool = False,
+):
     """Copy host values into a new buffer of ``layout`` on the current stream (a ``copy_in``
-    step). A destroyed stream or a full memory is refused before anything changes."""
+    step). A destroyed stream or a full memory is refused before anything changes.
+
+    The buffer owns its bytes: a later write to ``host`` does not reach it. With ``alias`` the
+    simulation may keep ``host``'s own memory as the payload (no second copy of a model's
+    weights on the host) when the bytes are already in device layout; the caller then answers
+    for ``host`` not changing behind the card's back (``torch_bridge`` copies a parameter in
+    again when its version counter moves).
+    """
     rt = rt or _current
     sid = current_stream_id() if rt is _current else DEFAULT_STREAM
     rt.queues.state(sid)
     data = to_device_layout(host, layout)
+    if not alias and isinstance(host, np.ndarray) and np.may_share_memory(data, host):
+        data = data.copy()
     n = layout.nbytes
     buf = DeviceBuffer.allocate(n, layout, rt=rt, tag=tag, payload=data)
     rt.queues.submit(
@@ -412,12 +442,14 @@ class Executable:
         """The jitted card program (``device_model.execute``), built on first use."""
         if self._runner is None:
             # imported here: the card program needs JAX, which ``import torch`` must not load
-            import jax.numpy as jnp
+            import jax
 
-            from . import execute
+            from . import program
 
-            self._runner = execute.build_runner(self.kernel)
-            self._device_array = jnp.asarray
+            self._runner = program.build_runner(self.kernel)
+            # a resident buffer's payload becomes a card (JAX) array once, over the same bytes:
+            # payloads own their memory (copy_in) or alias it on purpose (copy_in(alias=True))
+            self._device_array = functools.partial(jax.device_put, may_alias=True)
         return self._runner
 
     def __repr__(self) -> str:

@@ -455,43 +455,71 @@ class _Fuser:
 
     def __init__(self, outputs: set[int], fits: Callable[[Node], bool] | None, stick_bytes: int):
         self.outputs, self.fits, self.stick_bytes = outputs, fits, stick_bytes
-        self.memo: dict[tuple, Node | None] = {}
+        # keyed by the nodes' identities (hashing a node hashes its whole body); the entry
+        # keeps the nodes alive so that an id is never reused for another node
+        self.memo: dict[tuple, tuple[tuple, Node | None]] = {}
 
     def _checked(self, key: tuple, make: Callable[[], Node | None]) -> Node | None:
-        if key not in self.memo:
+        ikey = tuple(id(k) if isinstance(k, Node) else k for k in key)
+        if ikey not in self.memo:
             m = make()
-            self.memo[key] = m if m is not None and (self.fits is None or self.fits(m)) else None
-        return self.memo[key]
+            ok = m is not None and (self.fits is None or self.fits(m))
+            self.memo[ikey] = (key, m if ok else None)
+        return self.memo[ikey][1]
 
-    def step(self, nodes: list[Node]) -> list[Node] | None:
-        """The nodes after one fusion, or None when nothing more fuses.
+    def chain(self, nodes: list[Node]) -> bool:
+        """The chain fusions, in place, in one forward pass: each consumer in order takes its
+        producers (a map without a final reduction that only it reads, or a view it reads), one
+        slot at a time, until none is left. True when anything merged.
 
-        First the chain fusions (a map without a final reduction into its only consumer, or a
-        view into any consumer), one slot at a time, consumers in order; only when none is
-        left, recomputation: a producer (one ending in a reduction too) into all its consumers.
-        Every node the second kind leaves behind is either one the first kind made or a merge
-        that ``fits``, so it never makes a graph the tiler cannot schedule.
+        One pass is enough: a merge changes only its consumer (the producer, when only that
+        consumer read it, is left dead for :func:`dce`), so the consumers before it see the
+        same producers and uses as before.
         """
         producer = {n.out.id: n for n in nodes if n.op == "map"}
         uses: dict[int, list[int]] = {}
         for i, n in enumerate(nodes):
             for v in n.inputs:
                 uses.setdefault(v.id, []).append(i)
-        for ci, c in enumerate(nodes):
-            if c.op != "map":
+        changed = False
+        for ci in range(len(nodes)):
+            while nodes[ci].op == "map" and (m := self._chain_one(nodes[ci], ci, producer, uses)):
+                c = nodes[ci]
+                for v in c.inputs:
+                    uses[v.id].remove(ci)
+                for v in m.inputs:
+                    uses.setdefault(v.id, []).append(ci)
+                nodes[ci] = m
+                producer[m.out.id] = m
+                changed = True
+        return changed
+
+    def _chain_one(
+        self, c: Node, ci: int, producer: dict[int, Node], uses: dict[int, list[int]]
+    ) -> Node | None:
+        for slot, v in enumerate(c.inputs):
+            p = producer.get(v.id)
+            if p is None or p is c or p.p("body").reduce:
                 continue
-            for slot, v in enumerate(c.inputs):
-                p = producer.get(v.id)
-                if p is None or p.p("body").reduce:
-                    continue
-                exclusive = v.id not in self.outputs and all(u == ci for u in uses[v.id])
-                if not (exclusive or _is_view_only(p)):
-                    continue
-                if sum(1 for x in c.inputs if x.id == v.id) > 1 and not exclusive:
-                    continue
-                m = self._checked((p, c, slot), lambda p=p, c=c, slot=slot: _merge_slot(p, c, slot))
-                if m is not None:
-                    return [m if j == ci else n for j, n in enumerate(nodes)]
+            exclusive = v.id not in self.outputs and all(u == ci for u in uses[v.id])
+            if not (exclusive or _is_view_only(p)):
+                continue
+            if sum(1 for x in c.inputs if x.id == v.id) > 1 and not exclusive:
+                continue
+            m = self._checked((p, c, slot), lambda p=p, c=c, slot=slot: _merge_slot(p, c, slot))
+            if m is not None:
+                return m
+        return None
+
+    def absorb(self, nodes: list[Node]) -> list[Node] | None:
+        """One recomputation: the first producer (one ending in a reduction too) that merges into
+        all its consumers at once and is worth it; None when there is none. Every node it
+        leaves behind is either one the chain fusions made or a merge that ``fits``, so it
+        never makes a graph the tiler cannot schedule."""
+        uses: dict[int, list[int]] = {}
+        for i, n in enumerate(nodes):
+            for v in n.inputs:
+                uses.setdefault(v.id, []).append(i)
         for p in nodes:
             if p.op != "map" or p.out.id in self.outputs or p.out.id not in uses:
                 continue
@@ -523,10 +551,19 @@ def fuse_maps(g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None = No
     fusion that would need whole rows the scratchpad cannot hold is not made, and the unfused
     stages are scheduled instead.
     """
-    nodes = list(g.nodes)
     fuser = _Fuser({v.id for v in g.outputs}, fits, card.stick_bytes)
-    while (fused := fuser.step(nodes)) is not None:
-        nodes = list(dce(Graph(g.name, g.inputs, tuple(fused), g.outputs, g.consts)).nodes)
+
+    def pruned(nodes: list[Node]) -> list[Node]:
+        return list(dce(Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)).nodes)
+
+    nodes = list(g.nodes)
+    while True:
+        if fuser.chain(nodes):
+            nodes = pruned(nodes)
+        fused = fuser.absorb(nodes)
+        if fused is None:
+            break
+        nodes = pruned(fused)
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts)
 
 

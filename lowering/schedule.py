@@ -31,6 +31,7 @@ Every figure of the card (cores, stick size, usable scratchpad, bandwidths) come
 
 from __future__ import annotations
 
+import logging
 import math
 from itertools import product
 from typing import Any
@@ -47,6 +48,7 @@ from device_model.ops import (
     compute_dtype,
     reduce_identity,
 )
+from device_model.progress import Progress
 
 from .errors import TilingError
 from .graph import Graph, Node, Var
@@ -65,6 +67,8 @@ from .tiling import (
     _tables,
     matmul_stage,
 )
+
+log = logging.getLogger("lowering")
 
 __all__ = ["schedule", "map_fits"]
 
@@ -585,6 +589,33 @@ _BUILDERS = {
 }
 
 
+def _schedule_node(ctx: _Ctx, n: Node, card: CardSpec) -> None:
+    """Declare ``n``'s outputs and append its stages (none for a free reshape or an empty op)."""
+    for o in n.outputs:
+        ctx.declare(o, "temp")
+    if any(_is_empty(o) for o in n.outputs):
+        return  # nothing to compute or store
+    empty = _empty_input_stages(ctx, n)
+    if empty is not None:
+        ctx.stages.extend(empty)
+        return
+    if n.op == "reshape":
+        (x,) = n.inputs
+        if is_free_reshape(x.shape, n.out.shape, x.dtype, card.stick_bytes):
+            # the output is a view of the input's buffer: no stage, no traffic
+            nm = ctx.name(n.out)
+            ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "view")
+            ctx.aliases.append((nm, ctx.name(x)))
+            return
+        ctx.stages.extend(_reshape_stage(ctx, n))
+        return
+    builder = _BUILDERS.get(n.op)
+    if builder is None:
+        raise TilingError(f"spyre: no schedule for op {n.op!r}")  # pragma: no cover
+    built = builder(ctx, n)
+    ctx.stages.extend(built if isinstance(built, list) else [built])
+
+
 def schedule(g: Graph, card: CardSpec) -> Kernel:
     """Lower a fused graph (after ``to_maps``/``fuse_maps``) to a :class:`Kernel`."""
     ctx = _Ctx(card)
@@ -592,30 +623,10 @@ def schedule(g: Graph, card: CardSpec) -> Kernel:
         ctx.declare(v, "input", f"arg{i}")
     for i, (v, _) in enumerate(g.consts):
         ctx.declare(v, "const", f"const{i}")
-    for n in g.nodes:
-        for o in n.outputs:
-            ctx.declare(o, "temp")
-        if any(_is_empty(o) for o in n.outputs):
-            continue  # nothing to compute or store
-        empty = _empty_input_stages(ctx, n)
-        if empty is not None:
-            ctx.stages.extend(empty)
-            continue
-        if n.op == "reshape":
-            (x,) = n.inputs
-            if is_free_reshape(x.shape, n.out.shape, x.dtype, card.stick_bytes):
-                # the output is a view of the input's buffer: no stage, no traffic
-                nm = ctx.name(n.out)
-                ctx.decls[nm] = TensorDecl(nm, ctx.decls[nm].layout, "view")
-                ctx.aliases.append((nm, ctx.name(x)))
-                continue
-            ctx.stages.extend(_reshape_stage(ctx, n))
-            continue
-        builder = _BUILDERS.get(n.op)
-        if builder is None:
-            raise TilingError(f"spyre: no schedule for op {n.op!r}")  # pragma: no cover
-        built = builder(ctx, n)
-        ctx.stages.extend(built if isinstance(built, list) else [built])
+    with Progress(f"{g.name}: ops scheduled", len(g.nodes), log) as bar:
+        for n in g.nodes:
+            bar.update()
+            _schedule_node(ctx, n, card)
     outs = []
     for v in g.outputs:
         nm = ctx.name(v)

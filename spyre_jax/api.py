@@ -220,9 +220,15 @@ class Jitted:
 
 
 def _check_fits(graph: Graph) -> None:
-    """Raise DeviceOOMError before scheduling when one tensor cannot fit device memory."""
+    """Raise DeviceOOMError before scheduling when one tensor, or the arguments and constants
+    together, cannot fit device memory."""
     values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
-    check_fits((v.shape, v.dtype) for v in values)
+    held = [*graph.inputs, *(v for v, _ in graph.consts)]
+    check_fits(
+        ((v.shape, v.dtype) for v in values),
+        together=((v.shape, v.dtype) for v in held),
+        what=f"{graph.name}: its arguments and constants together",
+    )
 
 
 def jit(

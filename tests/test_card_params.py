@@ -4,7 +4,7 @@ At the lowering level (no ``spyre_jax`` runtime): graphs from ``lowering.from_ja
 compiled with ``lowering.pipeline.compile_graph(graph, card)`` for cards with other stick sizes,
 scratchpads and core counts; each kernel passes ``check_kernel``, records the card's figures,
 lays every tensor out in the card's sticks, and computes what NumPy computes on both the
-vectorized card (``device_model.execute.build_runner``) and the reference interpreter
+vectorized card (``device_model.program.build_runner``) and the reference interpreter
 (``device_model.reference``).
 """
 

@@ -3,7 +3,7 @@
 Each case lowers a small function with ``spyre_jax.jit(f).lower(*xs)``, builds the kernel's input
 device buffers the way ``Compiled._run`` does (host arrays padded into the stick layout, constants
 appended), and runs the kernel twice: on the vectorized JAX executor
-(``device_model.execute.build_runner``) and on ``device_model.reference``. The two must agree on
+(``device_model.program.build_runner``) and on ``device_model.reference``. The two must agree on
 the whole device buffers (stick padding included): bitwise for integer and bool tensors; for float
 tensors to within the differences that two fp32 summation orders leave after rounding to the
 output dtype (about one ulp of the dtype). The logical result is also checked against

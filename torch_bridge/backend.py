@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from device_model.runtime import runtime
 from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import from_fx, node_source, supported
 
@@ -195,6 +196,9 @@ class _CardGraph:
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         # spyre tensors go in as the card buffers they are (no host round trip) and results on
         # spyre come back as spyre tensors; CPU tensors are copied in and out
+        if self.executable.rt is not runtime():  # set_card since: load it on the new card
+            self.executable = load(self.graph)
+            self.kernel, self.recipe = self.executable.kernel, self.executable.recipe
         return run_graph(self.executable, args, self.out_meta)
 
 

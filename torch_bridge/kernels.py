@@ -8,40 +8,124 @@ tensors are copied in; results on spyre come back as spyre tensors.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from device_model.runtime import DeviceBuffer, Executable, check_fits, copy_out, launch, runtime
+from device_model.layout import TensorLayout
+from device_model.runtime import (
+    DeviceBuffer,
+    Executable,
+    check_fits,
+    copy_in,
+    copy_out,
+    launch,
+    runtime,
+)
 from lowering.graph import Graph
 from lowering.pipeline import compile_graph
 
 from .storage import NAME, as_card_buffer, from_card_buffer, from_host, is_spyre, to_host
 
-__all__ = ["load", "run_graph"]
+__all__ = ["load", "run_graph", "resident_parameter", "resident_stats"]
 
 
 def load(graph: Graph) -> Executable:
     """Schedule ``graph`` for the current card and load it (its constants copied in).
-    DeviceOOMError before scheduling when one of its tensors cannot fit device memory."""
+    DeviceOOMError before scheduling, and before anything is copied, when one of its tensors,
+    or its weights and inputs together, cannot fit the card's device memory."""
     rt = runtime()
     values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
-    check_fits(((v.shape, v.dtype) for v in values), rt)
+    held = [*graph.inputs, *(v for v, _ in graph.consts)]
+    check_fits(
+        ((v.shape, v.dtype) for v in values),
+        rt,
+        together=((v.shape, v.dtype) for v in held),
+        what=f"{graph.name}: its weights and inputs together",
+    )
     return Executable(compile_graph(graph, rt.card), rt)
+
+
+class _Resident:
+    """A CPU parameter's copy in device memory, valid while the parameter is the same tensor
+    (its id, data pointer and version counter unchanged) on the same card."""
+
+    __slots__ = ("ref", "ptr", "version", "buf")
+
+    def __init__(self, ref: weakref.ref, ptr: int, version: int, buf: DeviceBuffer):
+        self.ref, self.ptr, self.version, self.buf = ref, ptr, version, buf
+
+
+#: (id(parameter), layout) -> its resident copy; an entry goes with its parameter
+_resident: dict[tuple[int, TensorLayout], _Resident] = {}
+_resident_lock = threading.Lock()
+
+
+def resident_stats() -> dict[str, int]:
+    """How many CPU parameters are resident on the card and their bytes there."""
+    with _resident_lock:
+        live = [e.buf for e in _resident.values() if e.buf.alive]
+    return {"parameters": len(live), "bytes": sum(b.nbytes for b in live)}
+
+
+def _forget(key: tuple[int, TensorLayout]) -> None:
+    with _resident_lock:
+        e = _resident.pop(key, None)
+    if e is not None:
+        e.buf.delete()
+
+
+def resident_parameter(p: torch.Tensor, layout: TensorLayout) -> DeviceBuffer:
+    """The device-memory copy of CPU parameter ``p`` in ``layout``, copied in once.
+
+    A model's weights are copied in on its first call and live once in device memory, shared
+    by every kernel that reads them: each later launch finds them there (no copy per kernel or
+    per call). An in-place change of ``p`` (its version counter moves) or a new card copies it in
+    again; the copy is freed when ``p`` goes. Where the bytes are already in the card's layout
+    the simulation keeps ``p``'s own memory as the payload (``copy_in(alias=True)``): the
+    weights are not held twice on the host either.
+    """
+    rt = runtime()
+    key = (id(p), layout)
+    with _resident_lock:
+        e = _resident.get(key)
+    if (
+        e is not None
+        and e.ref() is p
+        and e.version == p._version
+        and e.ptr == p.data_ptr()
+        and e.buf.rt is rt
+        and e.buf.alive
+    ):
+        return e.buf
+    buf = copy_in(to_host(p), layout, rt=rt, tag="parameter", alias=True)
+    ref = weakref.ref(p, lambda _r, key=key: _forget(key))
+    with _resident_lock:
+        old = _resident.get(key)
+        _resident[key] = _Resident(ref, p.data_ptr(), p._version, buf)
+    if old is not None and old.buf is not buf:
+        old.buf.delete()
+    return buf
 
 
 def run_graph(exe: Executable, args: Sequence[Any], out_meta: Sequence[Any]) -> tuple:
     """Launch ``exe`` with torch tensors (spyre or CPU) and numbers; each result as a spyre
-    tensor where its ``out_meta`` is on spyre, else as a CPU tensor."""
+    tensor where its ``out_meta`` is on spyre, else as a CPU tensor. CPU parameters
+    (``torch.nn.Parameter``) stay resident on the card between calls
+    (:func:`resident_parameter`); other CPU tensors are copied in for the launch."""
     temps: list[DeviceBuffer] = []
     leaves: list[Any] = []
     try:
-        for a in args:
+        for i, a in enumerate(args):
             if is_spyre(a):
                 b = as_card_buffer(a)
                 temps.append(b)
                 leaves.append(b)
+            elif isinstance(a, torch.nn.Parameter) and a.device.type == "cpu":
+                leaves.append(resident_parameter(a, exe.in_layouts[i]))
             else:
                 leaves.append(to_host(a))
         outs = launch(exe, leaves)

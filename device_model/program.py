@@ -1,0 +1,182 @@
+"""The card program: a kernel as one jitted program, or a whole model as cached stage programs.
+
+``build_runner(kernel)`` turns a :class:`~device_model.kernel.Kernel` into a function from the
+kernel's input device buffers to its output device buffers, running every stage on the
+vectorized card (:func:`device_model.execute.run_stage`). A short kernel is one ``jax.jit``
+program; a long one runs stage by stage, each stage a jitted program cached by its signature,
+so that the identical layers of a model compile once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .execute import COMPILER_OPTIONS, run_kernel, run_stage
+from .kernel import Kernel, Stage, TensorDecl
+from .layout import np_dtype
+from .progress import Progress
+
+__all__ = ["build_runner", "stage_program", "stage_cache_stats", "STAGED_MIN_STAGES"]
+
+log = logging.getLogger("device_model")
+
+#: kernels of more stages than this run stage by stage (see :func:`build_runner`)
+STAGED_MIN_STAGES = 24
+
+#: jitted stage programs by structural signature, shared by every kernel (LRU, this many)
+STAGE_CACHE_SIZE = 4096
+_stage_cache: OrderedDict[Any, Callable[..., jax.Array]] = OrderedDict()
+_stage_stats = {"compiled": 0, "reused": 0}
+
+
+def stage_cache_stats() -> dict[str, int]:
+    """How many stage programs were built and how many times one was reused (see
+    :func:`build_runner`), and how many the cache holds."""
+    return {**_stage_stats, "cached": len(_stage_cache)}
+
+
+def _canonical(
+    stage: Stage, decls: dict[str, TensorDecl], ncores: int, dl16: bool
+) -> tuple[Any, tuple[str, ...]]:
+    """A stage's signature, free of tensor names, and the tensors it reads, in order.
+
+    Two stages with one signature compute the same function of their inputs: the same tables,
+    bodies and scratchpad plan over tensors of the same layouts (the tensors renamed ``t0``,
+    ``t1``, ... in order of first use). The identical layers of a model give identical stages.
+    """
+    reads = [op.tensor for op in stage.inputs]
+    unit, kind, prm = stage.body[0]
+    if stage.kind == "gather":
+        reads.append(prm.table)
+    names = list(dict.fromkeys([*reads, stage.output.tensor]))
+    ren = {n: f"t{i}" for i, n in enumerate(names)}
+    body = stage.body
+    if stage.kind == "gather":
+        body = ((unit, kind, replace(prm, table=ren[prm.table])), *stage.body[1:])
+    canon = replace(
+        stage,
+        name="",
+        source="",
+        inputs=tuple(replace(op, tensor=ren[op.tensor]) for op in stage.inputs),
+        output=replace(stage.output, tensor=ren[stage.output.tensor]),
+        body=body,
+    )
+    layouts = tuple(decls[n].layout for n in names)
+    roles = tuple(decls[n].role for n in names)
+    return (canon, layouts, roles, ncores, dl16), tuple(dict.fromkeys(reads))
+
+
+def _stage_program(key: Any) -> Callable[..., jax.Array]:
+    canon, layouts, roles, ncores, dl16 = key
+    decls = {
+        f"t{i}": TensorDecl(f"t{i}", lay, r)
+        for i, (lay, r) in enumerate(zip(layouts, roles, strict=True))
+    }
+
+    def program(*args: jax.Array) -> jax.Array:
+        # an argument may be another view of the tensor's buffer: reshaped here, inside the jit
+        env = {f"t{i}": a.reshape(decls[f"t{i}"].layout.device_shape) for i, a in enumerate(args)}
+        return run_stage(canon, env, decls, ncores, dl16)
+
+    return jax.jit(program, compiler_options=COMPILER_OPTIONS)
+
+
+def stage_program(
+    stage: Stage, decls: dict[str, TensorDecl], ncores: int, dl16: bool
+) -> tuple[Callable[..., jax.Array], tuple[str, ...], bool]:
+    """The jitted program of one stage, shared by every stage of the same signature, the names
+    of the tensors it takes (in order), and whether it is new (not found in the cache)."""
+    key, reads = _canonical(stage, decls, ncores, dl16)
+    try:
+        fn = _stage_cache.get(key)
+    except TypeError:  # a body with an unhashable parameter: a program of its own
+        _stage_stats["compiled"] += 1
+        return _stage_program(key), reads, True
+    if fn is None:
+        fn = _stage_cache[key] = _stage_program(key)
+        _stage_stats["compiled"] += 1
+        while len(_stage_cache) > STAGE_CACHE_SIZE:
+            _stage_cache.popitem(last=False)
+        return fn, reads, True
+    _stage_cache.move_to_end(key)
+    _stage_stats["reused"] += 1
+    return fn, reads, False
+
+
+def _alias_groups(kernel: Kernel) -> dict[str, list[str]]:
+    """Each tensor's alias group (itself, its views and bases: one buffer), itself first."""
+    adj: dict[str, set[str]] = {}
+    for v, b in kernel.aliases:
+        adj.setdefault(v, set()).add(b)
+        adj.setdefault(b, set()).add(v)
+    groups: dict[str, list[str]] = {}
+    for name in adj:
+        seen, todo = [name], [name]
+        while todo:
+            for m in adj[todo.pop()]:
+                if m not in seen:
+                    seen.append(m)
+                    todo.append(m)
+        groups[name] = seen
+    return groups
+
+
+def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
+    """The kernel as a function ``runner(*input_buffers) -> output_buffers``.
+
+    A kernel of up to :data:`STAGED_MIN_STAGES` stages is one ``jax.jit`` program (XLA sees it
+    whole; its launch is one dispatch). A longer one, a whole model, runs stage by stage, each
+    stage a jitted program cached by its signature (:func:`stage_program`): the identical layers
+    of a model compile once, so compile time does not grow with depth.
+    """
+    if len(kernel.stages) <= STAGED_MIN_STAGES:
+
+        def program(*args: jax.Array) -> list[jax.Array]:
+            return run_kernel(kernel, list(args))
+
+        return jax.jit(program, compiler_options=COMPILER_OPTIONS)
+
+    decls = {t.name: t for t in kernel.tensors}
+    steps = [
+        (st.output.tensor, *stage_program(st, decls, kernel.num_cores, kernel.dl16))
+        for st in kernel.stages
+    ]
+    groups = _alias_groups(kernel)
+
+    def lookup(env: dict[str, Any], name: str) -> Any:
+        for m in groups.get(name, (name,)):
+            if m in env:
+                return env[m]
+        raise KeyError(name)
+
+    first_run = [True]
+
+    def runner(*args: Any) -> list[jax.Array]:
+        env: dict[str, Any] = dict(zip(kernel.inputs, args, strict=True))
+        if first_run[0]:  # the new stage programs compile now: show progress when it is long
+            with Progress(f"{kernel.name}: stages", len(steps), log) as bar:
+                for out, fn, reads, new in steps:
+                    env[out] = fn(*[lookup(env, n) for n in reads])
+                    bar.update(1, **({"compiled": 1} if new else {"reused": 1}))
+            first_run[0] = False
+        else:
+            for out, fn, reads, _ in steps:
+                env[out] = fn(*[lookup(env, n) for n in reads])
+        results = []
+        for o in kernel.outputs:
+            lay = decls[o].layout
+            try:
+                a = lookup(env, o)
+            except KeyError:  # a tensor without elements: no stage writes it
+                a = jnp.zeros(lay.device_shape, np_dtype(lay.dtype))
+            results.append(jnp.asarray(a).reshape(lay.device_shape))
+        return results
+
+    return runner

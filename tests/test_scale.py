@@ -1,0 +1,289 @@
+"""Whole models: stage programs shared by identical layers, weights that live once on the card.
+
+* A kernel of many stages runs stage by stage, each stage a jitted program cached by its
+  signature (``device_model.program.stage_program``): N identical layers compile one layer's
+  stages. The staged run equals the one-program run and ``jax.jit`` on the CPU.
+* A CPU model's parameters are copied into device memory on the first call and found there by
+  every later call and every kernel (``torch_bridge.kernels.resident_parameter``); an in-place
+  change of a parameter is seen.
+* ``device_put`` owns its bytes: a later write to the host array does not reach the card.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import rng
+
+import spyre_jax
+from device_model import program
+from lowering.passes import fuse_maps
+from lowering.pipeline import compile_graph
+from torch_bridge import kernels as tk
+
+# fp32 on the card: products in fp32, sums in fp32 (the PE accumulator); 8 layers of tanh keep
+# values in [-1, 1], so an absolute tolerance of a few fp32 ulps of the matmul's K terms holds
+ATOL = 1e-4
+
+
+def _layers(n: int):
+    def f(x, ws):
+        for i in range(n):
+            h = jnp.tanh(x @ ws[i])
+            x = x + jax.nn.softmax(h, axis=-1) * 0.5
+        return x
+
+    return f
+
+
+def _inputs(n: int):
+    r = rng(1)
+    x = r.standard_normal((8, 64)).astype(np.float32)
+    ws = [(r.standard_normal((64, 64)) / 8).astype(np.float32) for _ in range(n)]
+    return x, ws
+
+
+def test_identical_layers_compile_their_stages_once(fresh_card, monkeypatch):
+    monkeypatch.setattr(program, "STAGED_MIN_STAGES", 4)
+    n = 6
+    x, ws = _inputs(n)
+    jf = spyre_jax.jit(_layers(n))
+    stages = len(jf.lower(x, ws).compile().executable.kernel.stages)
+    assert stages >= 2 * n
+    before = program.stage_cache_stats()
+    got = np.asarray(jf(x, ws))
+    after = program.stage_cache_stats()
+    built = after["compiled"] - before["compiled"]
+    reused = after["reused"] - before["reused"]
+    assert built + reused == stages
+    # the first layer and the last one may differ (no residual input / the final output);
+    # every layer between them is one layer's stages again
+    assert built <= 3 * stages // n, (built, stages)
+    want = np.asarray(jax.jit(_layers(n))(x, ws))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=ATOL)
+
+
+def test_staged_run_equals_one_program(fresh_card, monkeypatch):
+    n = 3
+    x, ws = _inputs(n)
+    kernel = spyre_jax.jit(_layers(n)).lower(x, ws).compile().executable.kernel
+    args = [x, *ws]
+    layouts = [kernel.tensor(name).layout for name in kernel.inputs]
+    dev = [
+        np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, lay.device_shape[-1] - a.shape[-1])])
+        for a, lay in zip(args, layouts, strict=True)
+    ]
+    monkeypatch.setattr(program, "STAGED_MIN_STAGES", 10**6)
+    whole = program.build_runner(kernel)
+    monkeypatch.setattr(program, "STAGED_MIN_STAGES", 0)
+    staged = program.build_runner(kernel)
+    assert not hasattr(staged, "lower")  # a Python loop over cached stage programs
+    for a, b in zip(whole(*dev), staged(*dev), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_stage_signature_ignores_names_not_layouts(fresh_card):
+    x, ws = _inputs(2)
+    kernel = spyre_jax.jit(_layers(2)).lower(x, ws).compile().executable.kernel
+    decls = {t.name: t for t in kernel.tensors}
+    sig = {}
+    for st in kernel.stages:
+        key, _ = program._canonical(st, decls, kernel.num_cores, kernel.dl16)
+        sig.setdefault(key, []).append(st.name)
+    assert len(sig) < len(kernel.stages)  # the second layer repeats the first one's stages
+    # another width is another signature
+    x3, ws3 = (np.zeros((8, 128), np.float32), [np.zeros((128, 128), np.float32)] * 2)
+    k3 = spyre_jax.jit(_layers(2)).lower(x3, ws3).compile().executable.kernel
+    d3 = {t.name: t for t in k3.tensors}
+    keys3 = {program._canonical(st, d3, k3.num_cores, k3.dl16)[0] for st in k3.stages}
+    assert not keys3 & set(sig)
+
+
+def test_fusion_of_a_deep_graph_takes_rounds_per_reduction_not_per_merge(fresh_card, monkeypatch):
+    # the chain fusions of a whole graph are one forward pass: a round (and its dead-node
+    # sweep) per recomputed reduction (two per layer here), not one per merge (quadratic)
+    from lowering import passes
+
+    n = 12
+    x, ws = _inputs(n)
+    g = spyre_jax.jit(_layers(n)).lower(x, ws).graph
+    card = spyre_jax.CardSpec()
+    g = passes.to_maps(g, card)
+    rounds = []
+    real = passes.dce
+    monkeypatch.setattr(passes, "dce", lambda graph: rounds.append(1) or real(graph))
+    fused = fuse_maps(g, card)
+    merged = len(g.nodes) - len(fused.nodes)
+    assert merged >= 3 * n, merged
+    assert len(rounds) <= 4 * n + 2 < merged // 2, (len(rounds), merged)
+    assert len(compile_graph(spyre_jax.jit(_layers(n)).lower(x, ws).graph, card).stages) >= n
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 128)
+        self.b = torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_parameters_are_copied_in_once(fresh_card):
+    torch.manual_seed(0)
+    m = _MLP().half().eval()
+    f = torch.compile(m, backend="spyre")
+    x = torch.randn(4, 64).half()
+    with torch.no_grad():
+        f(x)
+        first = tk.resident_stats()
+        used = spyre_jax.memory_stats()["bytes_in_use"]
+        for _ in range(3):
+            y = f(x)
+        assert tk.resident_stats() == first
+        assert spyre_jax.memory_stats()["bytes_in_use"] == used
+    assert first["parameters"] == 4
+    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert nbytes <= first["bytes"] <= nbytes + 4 * 128  # stick padding of the biases at most
+    with torch.no_grad():
+        want = m(x.float().half())
+    torch.testing.assert_close(y, want, atol=2e-2, rtol=2e-2)
+
+
+def test_an_in_place_change_of_a_parameter_is_seen(fresh_card):
+    torch.manual_seed(0)
+    m = _MLP().eval()
+    f = torch.compile(m, backend="spyre")
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        f(x)
+        m.b.bias.add_(1.0)
+        got = f(x)
+        want = m(x)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def test_a_parameter_copy_goes_with_its_parameter(fresh_card):
+    import gc
+
+    m = _MLP().eval()
+    f = torch.compile(m, backend="spyre")
+    with torch.no_grad():
+        f(torch.randn(4, 64))
+    assert tk.resident_stats()["parameters"] >= 4
+    del f, m
+    torch._dynamo.reset()
+    gc.collect()
+    assert tk.resident_stats()["parameters"] == 0
+
+
+def test_device_put_owns_its_bytes(fresh_card):
+    # regression: the device buffer was a view of the host array while no padding was needed
+    x = np.ones((4, 64), np.float32)
+    a = spyre_jax.device_put(x)
+    x[:] = 5.0
+    np.testing.assert_array_equal(np.asarray(a), np.ones((4, 64), np.float32))
+    y = spyre_jax.jit(lambda v: v + 1)(a)
+    np.testing.assert_array_equal(np.asarray(y), np.full((4, 64), 2.0, np.float32))
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Tty:
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_is_a_bar_on_a_terminal_after_a_few_seconds(monkeypatch):
+    import logging
+
+    from device_model.progress import QUIET_SECONDS, Progress
+
+    monkeypatch.delenv("SPYRE_PROGRESS", raising=False)
+    clock, tty = _Clock(), _Tty()
+    with Progress(
+        "gpt2: stages", 4, logging.getLogger("device_model"), stream=tty, clock=clock
+    ) as p:
+        p.update(compiled=1)
+        assert tty.text == ""  # quick work shows nothing
+        clock.t = QUIET_SECONDS + 1
+        p.update(reused=1)
+        assert "gpt2: stages: 2/4 (1 compiled, 1 reused)" in tty.text
+        assert tty.text.startswith("\r[############............]")
+    assert tty.text.endswith("\n")
+
+
+def test_progress_logs_when_not_on_a_terminal(monkeypatch, caplog):
+    import io
+    import logging
+
+    from device_model.progress import LOG_EVERY_SECONDS, QUIET_SECONDS, Progress
+
+    monkeypatch.delenv("SPYRE_PROGRESS", raising=False)
+    clock, out = _Clock(), io.StringIO()
+    caplog.set_level(logging.INFO, logger="device_model")
+    with Progress("m: stages", 3, logging.getLogger("device_model"), stream=out, clock=clock) as p:
+        clock.t = QUIET_SECONDS + 1
+        p.update(compiled=1)
+        p.update(reused=1)  # within LOG_EVERY_SECONDS of the last line: not logged
+        clock.t += LOG_EVERY_SECONDS
+        p.update(reused=1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "device_model"]
+    assert lines[0].startswith("m: stages: 1/3 (1 compiled)")
+    assert lines[1].startswith("m: stages: 3/3 (1 compiled, 2 reused)")
+    assert lines[-1].endswith("(done)")
+    assert out.getvalue() == ""  # no bare writes off a terminal
+    monkeypatch.setenv("SPYRE_PROGRESS", "0")
+    caplog.clear()
+    with Progress("m", 1, logging.getLogger("device_model"), stream=out, clock=clock) as p:
+        clock.t += 100
+        p.update()
+    assert not caplog.records
+
+
+def test_a_model_too_big_for_the_card_fails_at_load_before_any_copy(small_card):
+    # each weight fits the card, all of them together do not: DeviceOOMError when the graph is
+    # loaded, naming the graph, with nothing copied in and nothing left allocated
+    from device_model.memory import DeviceOOMError
+
+    small_card(device_memory_bytes=80 * 1024, device_memory_ecc_bytes=16 * 1024)
+    m = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)]).eval()
+    f = torch.compile(m, backend="spyre")
+    before = spyre_jax.memory_stats()["bytes_in_use"]
+    with torch.no_grad(), pytest.raises(Exception) as ei:
+        f(torch.randn(2, 64))
+    err = getattr(ei.value, "inner_exception", ei.value)  # Dynamo wraps backend errors
+    assert isinstance(err, DeviceOOMError), repr(ei.value)
+    assert "weights and inputs together" in str(err)
+    assert err.requested > err.limit
+    assert spyre_jax.memory_stats()["bytes_in_use"] == before
+    assert tk.resident_stats()["parameters"] == 0
+    torch._dynamo.reset()
+
+
+def test_jit_arguments_too_big_together_fail_before_any_copy(small_card):
+    from device_model.memory import DeviceOOMError
+
+    small_card(device_memory_bytes=80 * 1024, device_memory_ecc_bytes=16 * 1024)
+    xs = [np.ones((64, 64), np.float32) for _ in range(5)]  # 16 KiB each, 80 KiB together
+    with pytest.raises(DeviceOOMError, match="arguments and constants together"):
+        spyre_jax.jit(lambda xs: sum(xs)).lower(xs)
+    assert spyre_jax.memory_stats()["bytes_in_use"] == 0
