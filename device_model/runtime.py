@@ -153,16 +153,38 @@ class DeviceBuffer:
     ``layout`` is the tensor's stick layout (``None`` for raw bytes, as torch storages keep
     them); ``nbytes`` the bytes it holds. The payload (a NumPy or JAX array of the region's
     contents) lives in :class:`~device_model.memory.DeviceMemory`. Freed by :meth:`delete` or
-    when the last reference goes.
+    when the last reference goes. ``version`` counts the writes to it after it was filled (host
+    copies in and device-side copies: :func:`host_wrote`, :func:`device_copy`).
+
+    A *view* (:meth:`view`) is a tensor's stick layout seen over bytes of another buffer that
+    already hold it (a torch storage whose bytes are the tensor in device layout): it allocates
+    nothing and frees nothing, and it is alive while its base is.
     """
 
-    __slots__ = ("rt", "addr", "layout", "nbytes", "_fin", "__weakref__")
+    __slots__ = (
+        "rt",
+        "addr",
+        "layout",
+        "nbytes",
+        "version",
+        "shares_host",
+        "_fin",
+        "_base",
+        "_view",
+        "__weakref__",
+    )
 
     def __init__(self, rt: Runtime, addr: int, nbytes: int, layout: TensorLayout | None = None):
         self.rt = rt
         self.addr = addr
         self.nbytes = nbytes
         self.layout = layout
+        self.version = 0
+        #: the payload is memory the host also writes (a view, ``copy_in(alias=True)``): a
+        #: launch reading it finishes before the host goes on
+        self.shares_host = False
+        self._base: DeviceBuffer | None = None
+        self._view: Any = None
         self._fin = weakref.finalize(self, _free_quiet, rt, addr)
 
     @classmethod
@@ -184,27 +206,52 @@ class DeviceBuffer:
                 rt.memory.store(addr, payload)
         return buf
 
+    @classmethod
+    def view(cls, base: DeviceBuffer, layout: TensorLayout, payload: Any) -> DeviceBuffer:
+        """``payload`` (an array over ``base``'s bytes, in ``layout``) as a buffer of its own
+        that shares ``base``'s address: steps that read it read ``base``."""
+        v = cls.__new__(cls)
+        v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
+        v._base, v._view, v.shares_host = base, payload, True
+        v._fin = weakref.finalize(v, _no_op)
+        return v
+
+    @property
+    def is_view(self) -> bool:
+        return self._base is not None
+
     @property
     def alive(self) -> bool:
-        return self._fin.alive
+        return self._base.alive if self._base is not None else self._fin.alive
 
     def payload(self) -> Any:
         """The region's contents; RuntimeError once the buffer has been freed."""
-        if not self._fin.alive:
+        if not self.alive:
             raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
+        if self._base is not None:
+            return self._view
         return self.rt.memory.load(self.addr)
 
     def store(self, payload: Any) -> None:
-        self.rt.memory.store(self.addr, payload)
+        if self._base is not None:
+            self._view = payload  # the same bytes, as another array (a card array of them)
+        else:
+            self.rt.memory.store(self.addr, payload)
 
     def delete(self) -> None:
-        """Free the region now (idempotent)."""
-        self._fin()
+        """Free the region now (idempotent; a view frees nothing)."""
+        if self._base is None:
+            self._fin()
 
     def __repr__(self) -> str:
         what = self.layout if self.layout is not None else f"{self.nbytes} bytes"
         state = "" if self.alive else ", freed"
-        return f"<DeviceBuffer {self.addr:#x} {what}{state}>"
+        kind = "DeviceBuffer view" if self._base is not None else "DeviceBuffer"
+        return f"<{kind} {self.addr:#x} {what}{state}>"
+
+
+def _no_op() -> None:
+    pass
 
 
 def to_device_layout(host: Any, layout: TensorLayout) -> np.ndarray:
@@ -270,10 +317,12 @@ def copy_in(
     sid = current_stream_id() if rt is _current else DEFAULT_STREAM
     rt.queues.state(sid)
     data = to_device_layout(host, layout)
-    if not alias and isinstance(host, np.ndarray) and np.may_share_memory(data, host):
+    shared = isinstance(host, np.ndarray) and np.may_share_memory(data, host)
+    if shared and not alias:
         data = data.copy()
     n = layout.nbytes
     buf = DeviceBuffer.allocate(n, layout, rt=rt, tag=tag, payload=data)
+    buf.shares_host = shared and alias
     rt.queues.submit(
         sid,
         "copy_in",
@@ -289,6 +338,7 @@ def host_wrote(buf: DeviceBuffer, name: str, nbytes: int) -> None:
     """The host wrote ``nbytes`` of ``buf`` in place (torch's copies in): a ``copy_in`` step on
     the current stream."""
     rt = buf.rt
+    buf.version += 1
     rt.queues.submit(
         current_stream_id(),
         "copy_in",
@@ -332,6 +382,8 @@ def device_copy(
     streaming device-memory bandwidth): a ``run_kernel`` step on the current stream."""
     rt = writes[0].rt if writes else _current
     card = rt.card
+    for b in writes:
+        b.version += 1
     rt.queues.submit(
         current_stream_id(),
         "run_kernel",
@@ -424,6 +476,7 @@ class Executable:
         self._out_nbytes = tuple(lay.nbytes for lay in self.out_layouts)
         self._runner: Any = None
         self._device_array: Any = None
+        self._block: Any = None
 
     @property
     def num_inputs(self) -> int:
@@ -450,6 +503,7 @@ class Executable:
             # a resident buffer's payload becomes a card (JAX) array once, over the same bytes:
             # payloads own their memory (copy_in) or alias it on purpose (copy_in(alias=True))
             self._device_array = functools.partial(jax.device_put, may_alias=True)
+            self._block = jax.block_until_ready
         return self._runner
 
     def __repr__(self) -> str:
@@ -518,6 +572,8 @@ def _run_kernel(
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
         results = runner(*payloads)
+        if any(b.shares_host for b in bufs):  # the host may write those bytes next
+            exe._block(results)
     except BaseException:
         for a in addrs:
             rt.memory.free(a)

@@ -512,18 +512,23 @@ class _Fuser:
         return None
 
     def absorb(self, nodes: list[Node]) -> list[Node] | None:
-        """One recomputation: the first producer (one ending in a reduction too) that merges into
-        all its consumers at once and is worth it; None when there is none. Every node it
-        leaves behind is either one the chain fusions made or a merge that ``fits``, so it
-        never makes a graph the tiler cannot schedule."""
+        """The recomputations of one round: each producer (one ending in a reduction too) that
+        merges into all its consumers at once and is worth it, in order, skipping one that
+        touches a node an earlier one of the round changed (it is tried again next round); None
+        when there is none. Every node it leaves behind is either one the chain fusions made or
+        a merge that ``fits``, so it never makes a graph the tiler cannot schedule."""
         uses: dict[int, list[int]] = {}
         for i, n in enumerate(nodes):
             for v in n.inputs:
                 uses.setdefault(v.id, []).append(i)
-        for p in nodes:
+        out = list(nodes)
+        touched: set[int] = set()
+        for pi, p in enumerate(nodes):
             if p.op != "map" or p.out.id in self.outputs or p.out.id not in uses:
                 continue
             users = list(dict.fromkeys(uses[p.out.id]))
+            if pi in touched or touched.intersection(users):
+                continue
             if any(nodes[i].op != "map" for i in users):
                 continue
             merged = {}
@@ -535,8 +540,11 @@ class _Fuser:
                 merged[i] = m
             else:
                 if _worth(p, [nodes[i] for i in users], self.stick_bytes):
-                    return [merged.get(j, n) for j, n in enumerate(nodes)]
-        return None
+                    for i, m in merged.items():
+                        out[i] = m
+                    touched.update(users)
+                    touched.add(pi)
+        return out if touched else None
 
 
 def fuse_maps(g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None = None) -> Graph:

@@ -102,9 +102,10 @@ def test_stage_signature_ignores_names_not_layouts(fresh_card):
     assert not keys3 & set(sig)
 
 
-def test_fusion_of_a_deep_graph_takes_rounds_per_reduction_not_per_merge(fresh_card, monkeypatch):
-    # the chain fusions of a whole graph are one forward pass: a round (and its dead-node
-    # sweep) per recomputed reduction (two per layer here), not one per merge (quadratic)
+def test_fusion_of_a_deep_graph_takes_a_few_rounds_not_one_per_merge(fresh_card, monkeypatch):
+    # the chain fusions of a whole graph are one forward pass, and the recomputations of
+    # independent producers (every layer's softmax) go in one round: a few rounds (each with a
+    # dead-node sweep) for the whole depth, not one per merge (quadratic in depth)
     from lowering import passes
 
     n = 12
@@ -118,7 +119,7 @@ def test_fusion_of_a_deep_graph_takes_rounds_per_reduction_not_per_merge(fresh_c
     fused = fuse_maps(g, card)
     merged = len(g.nodes) - len(fused.nodes)
     assert merged >= 3 * n, merged
-    assert len(rounds) <= 4 * n + 2 < merged // 2, (len(rounds), merged)
+    assert len(rounds) <= 8, (len(rounds), merged)
     assert len(compile_graph(spyre_jax.jit(_layers(n)).lower(x, ws).graph, card).stages) >= n
 
 
@@ -287,3 +288,50 @@ def test_jit_arguments_too_big_together_fail_before_any_copy(small_card):
     with pytest.raises(DeviceOOMError, match="arguments and constants together"):
         spyre_jax.jit(lambda xs: sum(xs)).lower(xs)
     assert spyre_jax.memory_stats()["bytes_in_use"] == 0
+
+
+def test_spyre_weights_are_read_in_place_not_copied_per_launch(fresh_card):
+    # a model on the spyre device: each launch reads the weights' own bytes (a view of their
+    # storage), so device memory holds them once and a call allocates only activations
+    from torch_bridge.storage import as_card_buffer
+
+    torch.manual_seed(0)
+    cpu = _MLP().half().eval()
+    m = _MLP().half().eval()
+    m.load_state_dict(cpu.state_dict())
+    m = m.to("spyre")
+    f = torch.compile(m, backend="spyre")
+    x = torch.randn(4, 64).half()
+    xs = x.to("spyre")
+    with torch.no_grad():
+        f(xs)
+        used = spyre_jax.memory_stats()["bytes_in_use"]
+        y = f(xs)
+        del y
+        assert spyre_jax.memory_stats()["bytes_in_use"] == used
+        w = m.a.weight
+        b1, b2 = as_card_buffer(w), as_card_buffer(w)
+        assert b1 is b2 and b1.is_view and b1.addr == b1._base.addr
+        # a write to the weight is seen by the next launch (a new view of the new bytes)
+        m.a.weight.mul_(0.5)
+        cpu.a.weight.mul_(0.5)
+        assert as_card_buffer(m.a.weight) is not b1
+        got = f(xs).cpu()
+        want = cpu(x)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_views_only_where_the_bytes_are_the_card_layout(fresh_card):
+    from torch_bridge.storage import as_card_buffer
+
+    padded = torch.randn(4, 100).half().to("spyre")  # rows of 100 fp16: padded to 128 on card
+    strided = torch.randn(64, 64).half().to("spyre").t()
+    wide = torch.randn(64).long().to("spyre")  # int64 is int32 on the card
+    for t in (padded, strided, wide):
+        b = as_card_buffer(t)
+        assert not b.is_view
+        b.delete()
+    ok = torch.randn(3, 64).half().to("spyre")[1:]  # a contiguous slice at an offset
+    b = as_card_buffer(ok)
+    assert b.is_view
+    np.testing.assert_array_equal(np.asarray(b.payload()), ok.cpu().numpy())

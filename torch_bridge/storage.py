@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from device_model import runtime as card_runtime
-from device_model.layout import TensorLayout, layout_for
+from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.runtime import DeviceBuffer, Runtime, runtime
 from lowering.from_fx import card_dtype
 
@@ -60,12 +60,14 @@ aten = torch.ops.aten
 class _Region:
     """One torch storage's device buffer, its payload and a CPU tensor over the payload."""
 
-    __slots__ = ("buf", "payload", "host")
+    __slots__ = ("buf", "payload", "host", "views")
 
     def __init__(self, buf: DeviceBuffer, payload: np.ndarray):
         self.buf = buf
         self.payload = payload
         self.host = torch.from_numpy(payload)  # a CPU uint8 tensor over the same bytes
+        #: (offset, shape, layout) -> (buf.version, view): the card buffers of its tensors
+        self.views: dict[tuple, tuple[int, DeviceBuffer]] = {}
 
     @property
     def rt(self) -> Runtime:
@@ -319,14 +321,21 @@ def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
 def as_card_buffer(t: torch.Tensor, layout: TensorLayout | None = None) -> DeviceBuffer:
     """A spyre tensor as a new stick-layout :class:`~device_model.runtime.DeviceBuffer` (the
     dtype as the card has it: int64 narrowed to int32, bf16 via ml_dtypes), the argument a
-    launch takes. For a strided view that is a device-side re-layout (a gather), recorded on the
-    current stream. The caller owns the buffer (freed when deleted or garbage-collected).
+    launch takes. When the tensor's bytes already are that layout (contiguous, rows of whole
+    sticks, the card's dtype) it is a view of them (:func:`_card_view`: no copy, nothing
+    allocated, the same view each launch until they are written); otherwise a new buffer, and
+    for a strided view a device-side re-layout (a gather), recorded on the current stream.
+    The caller deletes the buffer when done (a view frees nothing).
     """
     r = region(t)
     rt = r.rt
     if layout is None:
         dt = card_dtype(t.dtype, "a spyre tensor")
         layout = layout_for(tuple(t.shape), dt, rt.card.stick_bytes)
+    view = _card_view(r, t, layout)
+    if view is not None:  # the kernel reads the tensor's own bytes: it must not race their writer
+        card_runtime.check_reads("read operand", [r.buf])
+        return view
     host = _card_host(t)
     data = np.zeros(layout.device_shape, host.dtype)
     if host.ndim:
@@ -339,6 +348,35 @@ def as_card_buffer(t: torch.Tensor, layout: TensorLayout | None = None) -> Devic
     else:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
     return buf
+
+
+def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffer | None:
+    """The card buffer of ``t`` as a view of its storage's bytes, when they already are ``t`` in
+    ``layout`` (contiguous, the card's dtype, rows a whole number of sticks): no copy and no
+    second allocation, so a model's weights live once in device memory. Cached on the storage
+    until its bytes are written (the buffer's ``version``); None when a re-layout is needed."""
+    npd = np_dtype(layout.dtype)
+    if (
+        not layout.shape
+        or t.numel() == 0
+        or not t.is_contiguous()
+        or npd.itemsize != t.element_size()
+        or t.dtype == torch.int64
+        or layout.device_shape[-1] != layout.shape[-1]
+    ):
+        return None
+    key = (t.storage_offset(), layout)
+    hit = r.views.get(key)
+    if hit is not None and hit[0] == r.buf.version and hit[1].alive:
+        return hit[1]
+    start = t.storage_offset() * t.element_size()
+    n = math.prod(layout.device_shape) * npd.itemsize
+    if start + n > r.payload.nbytes:
+        return None
+    data = r.payload[start : start + n].view(npd).reshape(layout.device_shape)
+    view = DeviceBuffer.view(r.buf, layout, data)
+    r.views[key] = (r.buf.version, view)
+    return view
 
 
 def _card_host(t: torch.Tensor) -> np.ndarray:
