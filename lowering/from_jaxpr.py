@@ -380,6 +380,22 @@ def _slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [b.emit("slice", [x], shape, dt, starts=st, limits=li, strides=sd)]
 
 
+@rule("split")
+def _split(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    """``jnp.split``: one slice per piece, along ``axis``."""
+    (x,) = args
+    x = b.as_var(x, _aval(eqn.invars[0])[0])
+    ax = int(eqn.params["axis"])
+    outs, start = [], 0
+    for size, v in zip(eqn.params["sizes"], eqn.outvars, strict=True):
+        shape, dt = _aval(v)
+        st = tuple(start if d == ax else 0 for d in range(len(x.shape)))
+        li = tuple(start + int(size) if d == ax else n for d, n in enumerate(x.shape))
+        outs.append(b.emit("slice", [x], shape, dt, starts=st, limits=li, strides=(1,) * len(st)))
+        start += int(size)
+    return outs
+
+
 @rule("concatenate")
 def _concatenate(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, dt = _aval(eqn.outvars[0])

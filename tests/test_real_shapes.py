@@ -480,3 +480,18 @@ def test_no_fallback_warnings_leak():
     with warnings.catch_warnings():
         warnings.simplefilter("error", tb.SpyreFallbackWarning)
         _compiled(lambda a: F.pad(a, (1, 1)) * 2, _rand((3, 33)))
+
+
+@pytest.mark.parametrize(
+    "split",
+    [lambda x: jnp.split(x, 3, axis=-1), lambda x: jnp.split(x, [1, 3], axis=0)],
+    ids=["equal-thirds-of-sticks", "uneven-rows"],
+)
+def test_jnp_split(split):
+    # regression: the ``split`` primitive had no rule (a fused QKV projection split in three)
+    x = np.random.default_rng(0).standard_normal((4, 192)).astype(np.float16)
+    got = spyre_jax.jit(split)(x)
+    want = jax.jit(split)(x)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

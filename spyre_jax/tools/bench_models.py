@@ -1,8 +1,13 @@
-"""``spyre-jax bench models``: real model configurations through ``torch.compile(backend="spyre")``.
+"""``spyre-jax bench models``: real model configurations through ``torch.compile(backend="spyre")``
+and ``spyre_jax.jit``.
 
-Each model is built from its ``transformers`` configuration with random weights (nothing is
+Each torch model is built from its ``transformers`` configuration with random weights (nothing is
 downloaded), run once in fp32 on the CPU (the reference) and once in fp16 through the spyre
-backend, each in a fresh subprocess so that its peak host memory is its own. Reported per model:
+backend, each in a fresh subprocess so that its peak host memory is its own. ``gpt2-small-eqx`` is
+GPT-2 small as an equinox module (:mod:`spyre_jax.tools.eqx_gpt2`, random weights), run in fp32
+through ``jax.jit`` on the CPU (the reference; its "eager" time is a second, compiled call) and in
+fp16 through ``spyre_jax.jit`` with its weights put in device memory first (as the torch models'
+weights are constants copied in when their kernel loads). Reported per model:
 parameters, cold compile seconds (the first call, all included), simulated prefill time (the sum
 of the card kernels' simulated times), the simulation's wall time of a second call beside eager
 CPU's (fp32) and their ratio, the scratchpad peak, the device-memory peak, the host peak RSS, CPU
@@ -24,13 +29,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
+import spyre_jax
 from device_model.runtime import runtime
 from torch_bridge import backend as tb
 
-__all__ = ["MODELS", "bench_models", "run_one"]
+from . import eqx_gpt2
+
+__all__ = ["MODELS", "JAX_MODELS", "bench_models", "run_one"]
 
 
 def _gpt2(layers: int | None, tiny: bool) -> Any:
@@ -110,6 +121,18 @@ MODELS: dict[str, Callable[[int | None, bool], Any]] = {
 }
 
 
+def _gpt2_eqx(layers: int | None, tiny: bool) -> tuple[eqx_gpt2.GPT2, eqx_gpt2.GPT2Config]:
+    kw: dict[str, Any] = {"n_layer": layers or 12}
+    if tiny:
+        kw.update(n_embd=64, n_head=2, vocab_size=1000, n_positions=256)
+    cfg = eqx_gpt2.GPT2Config(**kw)
+    return eqx_gpt2.GPT2(cfg, key=jax.random.PRNGKey(0)), cfg
+
+
+#: name -> builder(layers, tiny) -> (equinox module, config); run through ``spyre_jax.jit``
+JAX_MODELS: dict[str, Callable[[int | None, bool], Any]] = {"gpt2-small-eqx": _gpt2_eqx}
+
+
 def _logits(out: Any) -> torch.Tensor:
     t = out.logits if hasattr(out, "logits") else out[0]
     return t.detach().float()
@@ -121,6 +144,8 @@ def _rss_bytes() -> int:
 
 def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -> dict[str, Any]:
     """One model, in this process: the figures :func:`bench_models` reports."""
+    if name in JAX_MODELS:
+        return _run_one_jax(name, layers=layers, tiny=tiny, seq=seq, reps=reps)
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -164,6 +189,51 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
     return res
 
 
+def _run_one_jax(
+    name: str, *, layers: int | None, tiny: bool, seq: int, reps: int
+) -> dict[str, Any]:
+    """An equinox model: fp32 ``jax.jit`` on the CPU vs fp16 ``spyre_jax.jit``, the same figures."""
+    model, cfg = JAX_MODELS[name](layers, tiny)
+    ids = jax.random.randint(jax.random.PRNGKey(0), (1, seq), 0, cfg.vocab_size, jnp.int32)
+    res: dict[str, Any] = {"params": eqx_gpt2.param_count(model), "layers": cfg.n_layer}
+    ref = jax.jit(eqx_gpt2.forward)
+    want = np.asarray(ref(model, ids), dtype=np.float64)  # XLA's compile, then the reference
+    t = time.perf_counter()
+    for _ in range(reps):
+        np.asarray(ref(model, ids))
+    res["eager_cpu_s"] = (time.perf_counter() - t) / reps
+    half = eqx_gpt2.cast(model, jnp.float16)
+    del model
+    f = spyre_jax.jit(eqx_gpt2.forward)
+    t = time.perf_counter()
+    on_card = jax.tree_util.tree_map(
+        lambda a: spyre_jax.device_put(a) if eqx.is_array(a) else a, half
+    )
+    del half
+    compiled = f.lower(on_card, ids).compile()  # cached: the call below does not retrace
+    got = np.asarray(f(on_card, ids), dtype=np.float64)
+    res["cold_compile_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(reps):
+        np.asarray(f(on_card, ids))
+    res["sim_wall_s"] = (time.perf_counter() - t) / reps
+    cost = compiled.cost_analysis()
+    g, w = got.ravel(), want.ravel()
+    res.update(
+        sim_prefill_us=cost["sim_time_us"],
+        kernels=1,
+        scratchpad_peak_bytes=cost["scratchpad_peak_bytes"],
+        device_memory_peak_bytes=runtime().memory.stats()["peak_bytes_in_use"],
+        host_peak_rss_bytes=_rss_bytes(),
+        fallbacks=0,  # spyre_jax.jit has no CPU fallback: a primitive with no rule raises
+        cosine=float(g @ w / (np.linalg.norm(g) * np.linalg.norm(w))),
+        max_abs_err=float(np.abs(g - w).max()),
+        logits_abs_max=float(np.abs(w).max()),
+    )
+    res["sim_over_eager"] = res["sim_wall_s"] / res["eager_cpu_s"]
+    return res
+
+
 def bench_models(
     names: list[str] | None = None,
     *,
@@ -173,11 +243,13 @@ def bench_models(
     reps: int = 1,
     timeout_s: float = 3600.0,
 ) -> dict[str, dict[str, Any]]:
-    """Every model of :data:`MODELS` (or ``names``), each in a fresh subprocess."""
+    """Every model of :data:`MODELS` and :data:`JAX_MODELS` (or ``names``), each in a fresh
+    subprocess."""
+    known = [*MODELS, *JAX_MODELS]
     out: dict[str, dict[str, Any]] = {}
-    for name in names or list(MODELS):
-        if name not in MODELS:
-            raise ValueError(f"bench models: unknown model {name!r}; known: {', '.join(MODELS)}")
+    for name in names or known:
+        if name not in known:
+            raise ValueError(f"bench models: unknown model {name!r}; known: {', '.join(known)}")
         cmd = [sys.executable, "-m", "spyre_jax.tools.bench_models", name, str(seq), str(reps)]
         cmd += [str(layers or 0), "1" if tiny else "0"]
         t = time.perf_counter()
