@@ -8,10 +8,14 @@ GPT-2 small as an equinox module (:mod:`spyre_jax.tools.eqx_gpt2`, random weight
 through ``jax.jit`` on the CPU (the reference; its "eager" time is a second, compiled call) and in
 fp16 through ``spyre_jax.jit`` with its weights put in device memory first (as the torch models'
 weights are constants copied in when their kernel loads). Reported per model:
-parameters, cold compile seconds (the first call, all included), simulated prefill time (the sum
-of the card kernels' simulated times), the simulation's wall time of a second call beside eager
-CPU's (fp32) and their ratio, the scratchpad peak, the device-memory peak, the host peak RSS, CPU
-fallbacks, and the cosine similarity and max error of the logits against the fp32 reference.
+parameters, cold compile seconds (``cold_compile_s``: the first call, all included; ``compile_s``:
+that minus a warm call's time, the compile alone), simulated prefill time (the sum of the card
+kernels' simulated times), the simulation's wall time of a second call beside eager CPU's (fp32)
+and their ratio, the scratchpad peak, the device-memory peak, the host peak RSS (of the whole
+process: the fp32 reference included), the host memory the simulation added while it compiled and
+ran (``sim_host_added_bytes``, sampled) and ``host_over_model``: the model's fp16 bytes plus that,
+over the model's fp16 bytes; CPU fallbacks, and the cosine similarity and max error of the logits
+against the fp32 reference.
 
 A model that fails (a ``TilingError`` today for the largest ones) is reported with its error
 instead of figures; the others still run. ``--layers N`` shortens every model to N layers (full
@@ -142,6 +146,41 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _rss_now() -> int:
+    with open("/proc/self/statm") as fh:  # Linux: pages
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRSS:
+    """The peak resident memory while the block runs, above what it was when it began
+    (sampled every 20 ms by a thread): what the simulation adds to the host."""
+
+    def __enter__(self) -> _PeakRSS:
+        import gc
+        import threading
+
+        gc.collect()
+        self.base = self.peak = _rss_now()
+        self._stop = threading.Event()
+
+        def sample() -> None:
+            while not self._stop.wait(0.02):
+                self.peak = max(self.peak, _rss_now())
+
+        self._t = threading.Thread(target=sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_now())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
 def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -> dict[str, Any]:
     """One model, in this process: the figures :func:`bench_models` reports."""
     if name in JAX_MODELS:
@@ -162,16 +201,19 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
             model(ids)
         res["eager_cpu_s"] = (time.perf_counter() - t) / reps
         model = model.half()
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         torch._dynamo.reset()
         tb.reset_fallback_stats()
         compiled = torch.compile(model, backend="spyre", dynamic=False)
-        t = time.perf_counter()
-        got = _logits(compiled(ids))
-        res["cold_compile_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(reps):
-            compiled(ids)
-        res["sim_wall_s"] = (time.perf_counter() - t) / reps
+        with _PeakRSS() as mem:
+            t = time.perf_counter()
+            got = _logits(compiled(ids))
+            res["cold_compile_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            for _ in range(reps):
+                compiled(ids)
+            res["sim_wall_s"] = (time.perf_counter() - t) / reps
+    res.update(_memory(model_bytes, mem.added))
     costs = [k.cost_analysis() for k in tb.compiled_kernels()]
     g, w = got.double().flatten(), want.double().flatten()
     res.update(
@@ -186,7 +228,19 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
         logits_abs_max=float(w.abs().max()),
     )
     res["sim_over_eager"] = res["sim_wall_s"] / res["eager_cpu_s"]
+    res["compile_s"] = res["cold_compile_s"] - res["sim_wall_s"]
     return res
+
+
+def _memory(model_bytes: int, added: int) -> dict[str, Any]:
+    """The model's own bytes (fp16 weights), what the simulation added to the host's resident
+    memory while it compiled and ran (device memory's payloads, activations, compiled programs)
+    and the host's total over the model's bytes."""
+    return {
+        "model_bytes": model_bytes,
+        "sim_host_added_bytes": added,
+        "host_over_model": (model_bytes + added) / model_bytes,
+    }
 
 
 def _run_one_jax(
@@ -204,19 +258,23 @@ def _run_one_jax(
     res["eager_cpu_s"] = (time.perf_counter() - t) / reps
     half = eqx_gpt2.cast(model, jnp.float16)
     del model
+    model_bytes = sum(a.nbytes for a in jax.tree_util.tree_leaves(half) if eqx.is_array(a))
     f = spyre_jax.jit(eqx_gpt2.forward)
-    t = time.perf_counter()
-    on_card = jax.tree_util.tree_map(
-        lambda a: spyre_jax.device_put(a) if eqx.is_array(a) else a, half
-    )
-    del half
-    compiled = f.lower(on_card, ids).compile()  # cached: the call below does not retrace
-    got = np.asarray(f(on_card, ids), dtype=np.float64)
-    res["cold_compile_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(reps):
-        np.asarray(f(on_card, ids))
-    res["sim_wall_s"] = (time.perf_counter() - t) / reps
+    with _PeakRSS() as mem:
+        t = time.perf_counter()
+        on_card = jax.tree_util.tree_map(
+            lambda a: spyre_jax.device_put(a) if eqx.is_array(a) else a, half
+        )
+        del half  # the weights now live on the card only
+        compiled = f.lower(on_card, ids).compile()  # cached: the call below does not retrace
+        got = np.asarray(f(on_card, ids), dtype=np.float64)
+        res["cold_compile_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(reps):
+            np.asarray(f(on_card, ids))
+        res["sim_wall_s"] = (time.perf_counter() - t) / reps
+    # the host copy of the weights was freed once they were on the card: count them once
+    res.update(_memory(model_bytes, max(0, mem.added)))
     cost = compiled.cost_analysis()
     g, w = got.ravel(), want.ravel()
     res.update(
@@ -231,6 +289,7 @@ def _run_one_jax(
         logits_abs_max=float(np.abs(w).max()),
     )
     res["sim_over_eager"] = res["sim_wall_s"] / res["eager_cpu_s"]
+    res["compile_s"] = res["cold_compile_s"] - res["sim_wall_s"]
     return res
 
 
@@ -282,7 +341,8 @@ def format_models(res: dict[str, dict[str, Any]]) -> str:
     """A table of :func:`bench_models`' result."""
     cols = (
         ("params", "params", "{:,.0f}"),
-        ("compile s", "cold_compile_s", "{:.1f}"),
+        ("1st call s", "cold_compile_s", "{:.1f}"),
+        ("compile s", "compile_s", "{:.1f}"),
         ("prefill us", "sim_prefill_us", "{:.0f}"),
         ("sim s", "sim_wall_s", "{:.2f}"),
         ("eager s", "eager_cpu_s", "{:.3f}"),
@@ -290,6 +350,7 @@ def format_models(res: dict[str, dict[str, Any]]) -> str:
         ("scratchpad", "scratchpad_peak_bytes", "{:,.0f}"),
         ("device mem", "device_memory_peak_bytes", "{:,.0f}"),
         ("host RSS", "host_peak_rss_bytes", "{:,.0f}"),
+        ("host/model", "host_over_model", "{:.2f}"),
         ("fallbacks", "fallbacks", "{}"),
         ("cosine", "cosine", "{:.5f}"),
         ("max err", "max_abs_err", "{:.3g}"),
