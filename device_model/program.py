@@ -128,6 +128,27 @@ def _alias_groups(kernel: Kernel) -> dict[str, list[str]]:
     return groups
 
 
+def _last_uses(
+    kernel: Kernel,
+    steps: list[tuple[str, Any, tuple[str, ...], bool]],
+    groups: dict[str, list[str]],
+) -> list[list[str]]:
+    """For each step, the tensors (with their views) no later step reads and that are not
+    outputs: a staged run drops them after that step, so a model's intermediates (a layer's
+    activations, a weight re-laid out for its matmul) do not all stay alive to the end."""
+    last: dict[str, int] = {}
+    for i, (out, _, reads, _) in enumerate(steps):
+        for n in (*reads, out):
+            for m in groups.get(n, (n,)):
+                last[m] = i
+    keep = {m for o in kernel.outputs for m in groups.get(o, (o,))}
+    frees: list[list[str]] = [[] for _ in steps]
+    for name, i in last.items():
+        if name not in keep:
+            frees[i].append(name)
+    return frees
+
+
 def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
     """The kernel as a function ``runner(*input_buffers) -> output_buffers``.
 
@@ -156,19 +177,22 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
                 return env[m]
         raise KeyError(name)
 
+    frees = _last_uses(kernel, steps, groups)
     first_run = [True]
 
     def runner(*args: Any) -> list[jax.Array]:
         env: dict[str, Any] = dict(zip(kernel.inputs, args, strict=True))
-        if first_run[0]:  # the new stage programs compile now: show progress when it is long
-            with Progress(f"{kernel.name}: stages", len(steps), log) as bar:
-                for out, fn, reads, new in steps:
-                    env[out] = fn(*[lookup(env, n) for n in reads])
-                    bar.update(1, **({"compiled": 1} if new else {"reused": 1}))
+        bar = Progress(f"{kernel.name}: stages", len(steps), log) if first_run[0] else None
+        # the first run compiles the new stage programs: a progress bar when it is long
+        for i, (out, fn, reads, new) in enumerate(steps):
+            env[out] = fn(*[lookup(env, n) for n in reads])
+            for name in frees[i]:  # dead after its last reader: its memory goes now
+                env.pop(name, None)
+            if bar is not None:
+                bar.update(1, **({"compiled": 1} if new else {"reused": 1}))
+        if bar is not None:
+            bar.close()
             first_run[0] = False
-        else:
-            for out, fn, reads, _ in steps:
-                env[out] = fn(*[lookup(env, n) for n in reads])
         results = []
         for o in kernel.outputs:
             lay = decls[o].layout

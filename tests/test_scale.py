@@ -335,3 +335,26 @@ def test_views_only_where_the_bytes_are_the_card_layout(fresh_card):
     b = as_card_buffer(ok)
     assert b.is_view
     np.testing.assert_array_equal(np.asarray(b.payload()), ok.cpu().numpy())
+
+
+def test_a_staged_run_drops_each_intermediate_after_its_last_reader(fresh_card):
+    n = 3
+    x, ws = _inputs(n)
+    kernel = spyre_jax.jit(_layers(n)).lower(x, ws).compile().executable.kernel
+    decls = {t.name: t for t in kernel.tensors}
+    steps = [
+        (st.output.tensor, *program.stage_program(st, decls, kernel.num_cores, kernel.dl16))
+        for st in kernel.stages
+    ]
+    groups = program._alias_groups(kernel)
+    frees = program._last_uses(kernel, steps, groups)
+    dropped = [m for f in frees for m in f]
+    assert len(dropped) == len(set(dropped))
+    outs = {m for o in kernel.outputs for m in groups.get(o, (o,))}
+    written = {out for out, *_ in steps}
+    assert not outs & set(dropped)
+    assert written - outs <= set(dropped)  # every intermediate goes before the run ends
+    for i, f in enumerate(frees):  # ... and only after its last reader
+        for m in f:
+            later = {n for _, _, reads, _ in steps[i + 1 :] for n in reads}
+            assert not {m, *groups.get(m, ())} & later
