@@ -358,7 +358,12 @@ def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
 
 
 def _matmul(
-    bufs: _Buffers, lhs_op: Operand, rhs_op: Operand, slot: Any, k_valid: Any = None
+    bufs: _Buffers,
+    lhs_op: Operand,
+    rhs_op: Operand,
+    slot: Any,
+    k_valid: Any = None,
+    body: ops.MatmulBody | None = None,
 ) -> jax.Array:
     """The PE step of every core: fp32 products ``[cores, 1, tm, tn]`` of its lhs and rhs tiles.
 
@@ -366,15 +371,22 @@ def _matmul(
     one GEMM; cores sharing an lhs row are joined along N. Cores holding no operand (never
     loaded) compute on uninitialized scratchpad, which is NaN; their results are never stored.
     ``k_valid``: only the K block's first ``k_valid`` positions count (the last block of a K the
-    block size does not divide).
+    block size does not divide). ``body.rhs_t``: the rhs tiles are ``[tn, tk]`` (contracted
+    along their last axis, no transposed copy).
     """
     c = bufs.ncores
+    rt = body is not None and body.rhs_t
     pl, pr = bufs.plans[lhs_op.sp], bufs.plans[rhs_op.sp]
     lhs = bufs.read_rows(lhs_op.sp, slot)  # [rl, 1, tm, tkp]
-    rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn]
-    tm, k, tn = lhs.shape[2], rhs.shape[2], rhs.shape[3]
+    rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn] ([rr, 1, tn, tkr] with rhs_t)
+    tm = lhs.shape[2]
+    if rt:
+        k, tn = body.tk(rhs.shape), rhs.shape[2]
+        rhs = rhs[..., :k]
+    else:
+        k, tn = rhs.shape[2], rhs.shape[3]
     if k_valid is not None:
-        lhs, rhs = ops.mask_k(jnp, lhs[..., :k], rhs, k_valid)
+        lhs, rhs = ops.mask_k(jnp, lhs[..., :k], rhs, k_valid, rt)
     lrows, rrows = pl.rows, pr.rows
     live = np.asarray([lrows[q] != pl.nan_row and rrows[q] != pr.nan_row for q in range(c)], bool)
     by_r: dict[int, list[int]] = {}
@@ -385,7 +397,8 @@ def _matmul(
 
     def dot(a: jax.Array, b: jax.Array) -> jax.Array:
         a, b = lax.optimization_barrier((a, b))  # hand XLA two materialized tiles: its GEMM
-        return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=np.float32)
+        dims = (((1,), (1 if rt else 0,)), ((), ()))
+        return lax.dot_general(a, b, dims, preferred_element_type=np.float32)
 
     parts, order = [], []
     if by_r and len(by_r) <= len(by_l):
@@ -399,7 +412,10 @@ def _matmul(
         for r, cores in by_l.items():
             ri = rrows[np.asarray(cores)]
             b = _take(rhs, ri)
-            b = jnp.moveaxis(b[:, 0], 0, 1).reshape(k, len(cores) * tn)  # [k, n*tn]
+            if rt:
+                b = b[:, 0].reshape(len(cores) * tn, k)  # [n*tn, k]
+            else:
+                b = jnp.moveaxis(b[:, 0], 0, 1).reshape(k, len(cores) * tn)  # [k, n*tn]
             p = dot(lhs[r, 0, :, :k], b).reshape(tm, len(cores), tn)
             parts.append(jnp.moveaxis(p, 1, 0)[:, None])
             order += cores
@@ -524,11 +540,11 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     if stage.kind == "matmul":
         body = params
         lhs_op, rhs_op = stage.inputs
-        tk = rhs_op.block[1]
+        tk = body.tk(rhs_op.block)
         k_valid = None
         if body.k_logical % tk:
             k_valid = body.k_logical - kpos * tk
-        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid)
+        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid, body)
         if first is True:
             acc = prod
         else:
@@ -551,14 +567,19 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         bufs.write("acc", 0, ops.combine_partial(jnp, body.reduce, acc, part, first))
 
 
-def _finish(cx: _StepCtx, t: Any) -> None:
-    """The last step of an "acc" stage's block: the accumulator, rounded, into the output."""
+def _finish(cx: _StepCtx, t: Any, stores: Any) -> None:
+    """The last step of an "acc" stage's block: the accumulator, rounded, into the output
+    (``stores``: each core's output block, for a matmul's masked N tail)."""
     stage, bufs = cx.stage, cx.bufs
     out = stage.output
     oslot = cx.slot(out.sp, t)
     params = stage.body[0][2]
     if stage.kind == "matmul":
         r = ops.narrow(jnp, bufs.read("acc", 0), params.out_dtype, cx.dl16)
+        if params.n_logical:
+            ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
+            col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
+            r = ops.mask_n(jnp, r, col0, params.n_logical)
         bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
         return
     body = params[0]
@@ -661,7 +682,7 @@ def run_stage(
             return store(t, stores, ob)
         _accumulate(cx, t, first, kpos)
         if last is True:
-            _finish(cx, t)
+            _finish(cx, t, stores)
             return store(t, stores, ob)
         if last is False:
             return ob
@@ -670,7 +691,7 @@ def run_stage(
         def finish(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             out_data, ob = operands
             bufs.data[out.sp] = out_data
-            _finish(cx, t)
+            _finish(cx, t, stores)
             return bufs.data[out.sp], store(t, stores, ob)
 
         out_data, ob = lax.cond(last, finish, lambda o: o, (bufs.data[out.sp], ob))

@@ -44,6 +44,7 @@ __all__ = [
     "cumsum_carry",
     "reduce_identity",
     "run_matmul_step",
+    "mask_n",
     "mask_k",
     "run_concat",
     "fit",
@@ -126,13 +127,23 @@ class MapBody:
 
 @dataclass(frozen=True, slots=True)
 class MatmulBody:
-    """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32; rounded at the end."""
+    """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32; rounded at the end.
+    ``rhs_t``: rhs tiles are ``[tn, tk]`` (``rhs[n, k]``: an NT GEMM). ``n_logical`` > 0: output
+    columns from it on are zeroed (an NT rhs's last N block reaches past its rows: NaN)."""
 
     k_logical: int
     out_dtype: str
+    rhs_t: bool = False
+    n_logical: int = 0
 
     def __str__(self) -> str:
-        return f"acc += lhs @ rhs (fp32, K={self.k_logical}); last: acc -> {self.out_dtype}"
+        rhs = "rhs^T" if self.rhs_t else "rhs"
+        nm = f", N={self.n_logical} masked" if self.n_logical else ""
+        return f"acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); last: acc -> {self.out_dtype}"
+
+    def tk(self, rhs_block: tuple[int, ...]) -> int:
+        """The logical K of an rhs block (a whole-K NT block spans the stick-padded K)."""
+        return min(rhs_block[-1], self.k_logical) if self.rhs_t else rhs_block[-2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,30 +713,53 @@ def cumsum_carry(xp: Any, local: Any, carry: Any, first: Any, split: SplitReduce
     return out, out[tuple(idx)]
 
 
-def mask_k(xp: Any, lhs: Any, rhs: Any, valid: Any) -> tuple[Any, Any]:
+def mask_k(xp: Any, lhs: Any, rhs: Any, valid: Any, rhs_t: bool = False) -> tuple[Any, Any]:
     """Zero the K positions at or past ``valid`` of a K block: the lhs tile's columns
-    ``[..., tm, tk]`` and the rhs tile's rows ``[..., tk, tn]`` (the last block of a K that the
-    block does not divide reaches past K: stick padding, or scratchpad never loaded)."""
-    k = rhs.shape[-2]
+    ``[..., tm, tk]`` and the rhs tile's rows ``[..., tk, tn]`` (columns of ``[..., tn, tk]``
+    with ``rhs_t``) (the last block of a K that the block does not divide reaches past K: stick
+    padding, or scratchpad never loaded)."""
+    k = lhs.shape[-1]
     keep = xp.arange(k) < valid
     lhs = xp.where(keep, lhs, xp.zeros((), lhs.dtype))
-    rhs = xp.where(keep[:, None], rhs, xp.zeros((), rhs.dtype))
+    rhs = xp.where(keep if rhs_t else keep[:, None], rhs, xp.zeros((), rhs.dtype))
     return lhs, rhs
 
 
+def mask_n(xp: Any, r: Any, col0: Any, n_logical: int) -> Any:
+    """Zero the columns of result tiles ``[C, ..., tn]`` at or past ``n_logical``; ``col0``
+    (``[C]``): each tile's first column."""
+    tn = r.shape[-1]
+    cols = xp.reshape(col0, (-1,) + (1,) * (r.ndim - 1)) + xp.arange(tn)
+    return xp.where(cols < n_logical, r, xp.zeros((), r.dtype))
+
+
 def run_matmul_step(
-    xp: Any, acc: Any, lhs: Any, rhs: Any, first: Any, k_valid: int | None = None
+    xp: Any,
+    acc: Any,
+    lhs: Any,
+    rhs: Any,
+    first: Any,
+    k_valid: int | None = None,
+    rhs_t: bool = False,
+    k_logical: int | None = None,
 ) -> Any:
     """One PE step on ``[C, 1, tm, tk]`` x ``[C, 1, tk, tn]`` tiles: fp32 ``acc + lhs @ rhs``.
 
     The lhs tile may carry stick padding along K beyond the rhs block's K; it is sliced off.
     ``first`` (a Python bool, or a traced one) starts the accumulator from zero. ``k_valid``:
-    only the block's first ``k_valid`` K positions count (:func:`mask_k`).
+    only the block's first ``k_valid`` K positions count (:func:`mask_k`). ``rhs_t``: the rhs
+    tile is ``[C, 1, tn, tk]`` (its K, stick-padded when it is the whole K, cut at
+    ``k_logical``).
     """
-    k = rhs.shape[2]
+    k = rhs.shape[3] if rhs_t else rhs.shape[2]
+    if rhs_t and k_logical is not None:
+        k = min(k, k_logical)
+        rhs = rhs[..., :k]
     a = lhs[..., :k]
     if k_valid is not None and k_valid < k:
-        a, rhs = mask_k(xp, a, rhs, k_valid)
+        a, rhs = mask_k(xp, a, rhs, k_valid, rhs_t)
+    if rhs_t:
+        rhs = xp.swapaxes(rhs, 2, 3)
     if xp is np:
         prod = np.einsum("cbmk,cbkn->cbmn", a.astype(np.float32), rhs.astype(np.float32))
     else:

@@ -233,12 +233,18 @@ def _compute(
     elif stage.kind == "matmul":
         body = params
         lhs, rhs = (tile(op) for op in stage.inputs)  # [1, 1, tm, tkp], [1, 1, tk, tn]
-        tk = rhs.shape[2]
+        tk = body.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
         k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
         acc = sp.read("acc", 0)[None]
-        acc = ops.run_matmul_step(np, acc, lhs, rhs, bool(stage.first[t]), k_valid)
+        acc = ops.run_matmul_step(
+            np, acc, lhs, rhs, bool(stage.first[t]), k_valid, body.rhs_t, body.k_logical
+        )
         sp.write("acc", 0, acc[0])
         r = ops.narrow(np, acc, body.out_dtype, dl16)
+        if body.n_logical:
+            ncol = blocks_of(decls[out.tensor].layout.device_shape, out.block)[-1]
+            col0 = np.asarray([max(store_block, 0) % ncol * out.block[-1]])
+            r = ops.mask_n(np, r, col0, body.n_logical)
         sp.write(out.sp, oslot, ops.fit(np, r, out.block)[0])
     elif stage.kind == "gather":
         body = params

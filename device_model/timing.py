@@ -109,7 +109,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     if kind == "matmul":
         lhs, rhs = s.inputs
         tm, tkp = lhs.block[1], lhs.block[2]
-        tn = rhs.block[2]
+        tn = rhs.block[1] if params.rhs_t else rhs.block[2]
         c_step = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
     elif kind == "map":
         body, space_block = params[0], params[1]

@@ -8,7 +8,8 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   ``slice`` (``starts``, ``limits``, ``strides``), ``reshape`` (``shape``), ``concatenate``
   (``axis``) — the layout and movement ops,
 * ``reduce`` (``kind``: sum, max, min, prod, argmax, argmin, cumsum, cumsum_rev; ``axes``),
-* ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``,
+* ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``; with
+  ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
 
@@ -187,12 +188,16 @@ def _r_reduce(n: Node) -> list:
 
 def _r_matmul(n: Node) -> list:
     a, b = n.inputs
-    _need(len(a.shape) == 3 and len(b.shape) == 3, "matmul takes [B,M,K] x [B,K,N]")
+    rhs_t = n.p("rhs_t", False)
+    _need(isinstance(rhs_t, bool), f"matmul rhs_t={rhs_t!r} is not a bool")
+    form = "[B,M,K] x [B,N,K]" if rhs_t else "[B,M,K] x [B,K,N]"
+    _need(len(a.shape) == 3 and len(b.shape) == 3, f"matmul takes {form}")
+    kb, nb = (2, 1) if rhs_t else (1, 2)
     _need(
-        a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1],
-        f"matmul shapes {a.shape} x {b.shape}",
+        a.shape[0] == b.shape[0] and a.shape[2] == b.shape[kb],
+        f"matmul shapes {a.shape} x {b.shape} ({form})",
     )
-    return [((a.shape[0], a.shape[1], b.shape[2]), n.p("dtype"))]
+    return [((a.shape[0], a.shape[1], b.shape[nb]), n.p("dtype"))]
 
 
 def _r_gather(n: Node) -> list:

@@ -1,10 +1,13 @@
-"""Graph-to-graph passes, each a pure function: ``fold_empty``, ``to_maps``, ``fuse_maps``,
-``dce``.
+"""Graph-to-graph passes, each a pure function: ``fold_empty``, ``nt_matmul``, ``to_maps``,
+``fuse_maps``, ``dce``.
 
 * ``fold_empty`` (the first thing ``to_maps`` does) removes the work on values with no elements:
   a node whose results have a zero in their shape becomes an empty constant, a reduction over
   an empty axis (and a matmul with ``K = 0``) becomes the identity of the reduction broadcast to
   its result, and a concatenation drops its empty pieces; the tiler never sees a zero extent;
+* ``nt_matmul`` reads a matmul's transposed rhs in place: ``matmul(a, reshape?(transpose(W)))``
+  (the last two dims swapped; a torch Linear's ``[out, in]`` weight, jax's ``x @ w.T``) becomes
+  ``matmul(a, reshape?(W), rhs_t=True)``, so no re-layout stage rewrites ``W`` on every call;
 * ``to_maps`` turns every SFU-side op (elementwise, convert, broadcast, transpose, slice,
   reductions, and reshapes that only add or drop size-1 dims) into a single-op ``map`` node
   whose inputs are read through views;
@@ -33,7 +36,15 @@ from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
 from .graph import Graph, Node, Var, params
 
-__all__ = ["fold_empty", "to_maps", "fuse_maps", "dce", "is_free_reshape", "MAX_MAP_INPUTS"]
+__all__ = [
+    "fold_empty",
+    "nt_matmul",
+    "to_maps",
+    "fuse_maps",
+    "dce",
+    "is_free_reshape",
+    "MAX_MAP_INPUTS",
+]
 
 MAX_MAP_INPUTS = 8
 
@@ -212,6 +223,47 @@ def fold_empty(g: Graph) -> Graph:
             continue
         nodes.append(n)
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, tuple(consts))
+
+
+def _swaps_last_two(n: Node) -> bool:
+    perm = tuple(n.p("perm"))
+    r = len(perm)
+    return r >= 2 and perm == (*range(r - 2), r - 1, r - 2)
+
+
+def nt_matmul(g: Graph) -> Graph:
+    """A matmul whose rhs is a transpose of the last two dims (through a reshape that only
+    merges or adds leading dims, ``[..., K, N] -> [B, K, N]``) reads the transpose's input in
+    place: ``matmul(a, reshape?(W), rhs_t=True)`` with ``W`` seen as ``[B, N, K]``. The
+    transpose stays if anything else reads it (:func:`dce` drops it otherwise)."""
+    made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
+    nodes: list[Node] = []
+    changed = False
+    for n in g.nodes:
+        if n.op == "matmul" and not n.p("rhs_t", False):
+            rhs = n.inputs[1]
+            src = made.get(rhs.id)
+            if src is not None and src.op == "reshape":
+                t = made.get(src.inputs[0].id)
+                if src.inputs[0].shape[-2:] != rhs.shape[-2:]:
+                    t = None
+            else:
+                t = src
+            if t is not None and t.op == "transpose" and _swaps_last_two(t):
+                (w,) = t.inputs
+                B, K, N = rhs.shape
+                if w.shape != (B, N, K):
+                    w2 = Var((B, N, K), w.dtype)
+                    nodes.append(Node("reshape", (w,), (w2,), params(shape=(B, N, K)), t.source))
+                    w = w2
+                ps = params(**dict(n.params), rhs_t=True)
+                nodes.append(Node("matmul", (n.inputs[0], w), n.outputs, ps, n.source))
+                changed = True
+                continue
+        nodes.append(n)
+    if not changed:
+        return g
+    return dce(Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts))
 
 
 def to_maps(g: Graph, card: CardSpec) -> Graph:

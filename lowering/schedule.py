@@ -293,16 +293,28 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
-    Kp, Np, No = la.device_shape[2], lb.device_shape[2], lo.device_shape[2]
-    # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to different
-    # extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides both, and N is one
-    # tile: the rhs block and the accumulator span the rhs's padded N, the output block its own
-    # (the PE result is cropped, or zero-padded, to it).
-    q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
-    tn_c = [(t, t) for t in _divisors(math.gcd(Np, No)) if t % q == 0]
-    if (Np, No) not in tn_c:
-        tn_c.append((Np, No))
-    tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
+    rhs_t = bool(n.p("rhs_t", False))
+    Kp, No = la.device_shape[2], lo.device_shape[2]
+    Kr = lb.device_shape[2] if rhs_t else K  # the rhs block's K when it is the whole K
+    if rhs_t:
+        # an NT rhs [B, N, Kr]: N in rows dividing N, whole output sticks (or the whole N: the
+        # accumulator spans N, the output block its padded N); K split in whole sticks of both
+        Np = N = n.out.shape[2]
+        tn_c = [(t, t) for t in _divisors(N) if t % lo.elems_per_stick == 0 and t < N]
+        tn_c.append((N, No))
+        qk = math.lcm(la.elems_per_stick, lb.elems_per_stick)
+        tk_c = _cands(K, qk) if Kp == K == Kr else [K]
+    else:
+        # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to
+        # different extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides
+        # both, and N is one tile: the rhs block and the accumulator span the rhs's padded N,
+        # the output block its own (the PE result is cropped, or zero-padded, to it).
+        Np = lb.device_shape[2]
+        q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
+        tn_c = [(t, t) for t in _divisors(math.gcd(Np, No)) if t % q == 0]
+        if (Np, No) not in tn_c:
+            tn_c.append((Np, No))
+        tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
     tm_c = _divisors(M)
     card = ctx.card
     best = None
@@ -312,9 +324,10 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         ntiles = B * gm * gn
         steps = -(-ntiles // ctx.ncores) * gk
         slots = 2 if steps > 1 else 1
-        tkp = Kp if tk == K else tk
+        tkp, tkr = (Kp, Kr) if tk == K else (tk, tk)
+        rblk = (1, tn, tkr) if rhs_t else (1, tk, tn)
         plan = (
-            ctx.plan_bytes([((1, tm, tkp), la.dtype), ((1, tk, tn), lb.dtype)], slots)
+            ctx.plan_bytes([((1, tm, tkp), la.dtype), (rblk, lb.dtype)], slots)
             + ctx.plan_bytes([((1, tm, tno), lo.dtype)], slots)
             + ctx.plan_bytes([((1, tm, tn), "float32")], 1)
         )
@@ -324,7 +337,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         uniq_a = min(per_step_tiles, max(1, -(-per_step_tiles // gn)))
         uniq_b = min(per_step_tiles, gn)
         load = (
-            uniq_a * tm * tkp * la.itemsize + uniq_b * tk * tn * lb.itemsize
+            uniq_a * tm * tkp * la.itemsize + uniq_b * tkr * tn * lb.itemsize
         ) / card.device_memory_bw
         comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
         est = load + (steps - 1) * max(load, comp) + comp + steps * _STEP_OVERHEAD_S
@@ -346,10 +359,16 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     tkp = Kp if tk == K else tk
     if gk > 1:
         lhs = Operand(ctx.name(a), (1, tm, tk), (0, 1, 3), "lhs")
-        rhs = Operand(ctx.name(b), (1, tk, tn), (0, 3, 2), "rhs")
+        if rhs_t:
+            rhs = Operand(ctx.name(b), (1, tn, tk), (0, 2, 3), "rhs")
+        else:
+            rhs = Operand(ctx.name(b), (1, tk, tn), (0, 3, 2), "rhs")
     else:
         lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
-        rhs = Operand(ctx.name(b), (1, K, tn), (0, -1, 2), "rhs")
+        if rhs_t:
+            rhs = Operand(ctx.name(b), (1, tn, Kr), (0, 2, -1), "rhs")
+        else:
+            rhs = Operand(ctx.name(b), (1, K, tn), (0, -1, 2), "rhs")
     out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 2 if steps > 1 else 1

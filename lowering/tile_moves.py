@@ -40,14 +40,22 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
-    N = b.shape[2]
-    Kp, Np, No = la.device_shape[2], lb.device_shape[2], lo.device_shape[2]
-    q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
+    N = n.out.shape[2]
+    rhs_t = bool(n.p("rhs_t", False))
+    Kp, No = la.device_shape[2], lo.device_shape[2]
+    if rhs_t:
+        # an NT rhs [B, N, Kr]: N blocks in rows (whole output sticks; the last one may reach
+        # past N: its output columns are masked), K blocks in whole sticks of both operands
+        Np, Kr = N, lb.device_shape[2]
+        q, qk = lo.elems_per_stick, math.lcm(la.elems_per_stick, lb.elems_per_stick)
+    else:
+        Np, Kr = lb.device_shape[2], K
+        q, qk = math.lcm(lb.elems_per_stick, lo.elems_per_stick), la.elems_per_stick
     card = ctx.card
     al = lambda x: -(-x // card.stick_bytes) * card.stick_bytes  # noqa: E731
     tm_c = np.asarray([M] + _ragged_cands(M, 1), np.int64)
     tn_c = np.asarray([0] + _ragged_cands(N, q), np.int64)  # 0: the whole N
-    tk_c = np.asarray([0] + _ragged_cands(K, la.elems_per_stick), np.int64)  # 0: the whole K
+    tk_c = np.asarray([0] + _ragged_cands(K, qk), np.int64)  # 0: the whole K
     TM, TN, TK = (x.reshape(-1) for x in np.meshgrid(tm_c, tn_c, tk_c, indexing="ij"))
     wn, wk = TN == 0, TK == 0
     gm = -(-M // TM)
@@ -56,7 +64,7 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     tn_r = np.where(wn, Np, TN)  # the rhs block's (and the accumulator's) N
     tn_o = np.where(wn, No, TN)
     tkp = np.where(wk, Kp, TK)  # the lhs block's K
-    tkr = np.where(wk, K, TK)  # the rhs block's K
+    tkr = np.where(wk, Kr, TK)  # the rhs block's K
     ntiles = B * gm * gn
     steps = -(-ntiles // ctx.ncores) * gk
     alv = np.vectorize(al, otypes=[np.int64])
@@ -109,10 +117,11 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     tn_r, tn_o = (Np, No) if whole_n else (tn, tn)
     if whole_k:
         lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
-        rhs = Operand(ctx.name(b), (1, K, tn_r), (0, -1, 2), "rhs")
+        rblk, rdims = ((1, tn_r, Kr), (0, 2, -1)) if rhs_t else ((1, K, tn_r), (0, -1, 2))
     else:
         lhs = Operand(ctx.name(a), (1, tm, tk), (0, 1, 3), "lhs")
-        rhs = Operand(ctx.name(b), (1, tk, tn_r), (0, 3, 2), "rhs")
+        rblk, rdims = ((1, tn_r, tk), (0, 2, 3)) if rhs_t else ((1, tk, tn_r), (0, 3, 2))
+    rhs = Operand(ctx.name(b), rblk, rdims, "rhs")
     out = Operand(ctx.name(n.out), (1, tm, tn_o), (0, 1, 2), "out")
     steps = -(-(B * gm * gn) // ctx.ncores) * gk
     slots = 1 if single else (2 if steps > 1 else 1)

@@ -395,8 +395,11 @@ def matmul_stage(
     flops. Shared by the whole-block and the general tilers."""
     lhs, rhs, out = operands
     la, lb, lo = layouts
-    B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N], as the graph IR has it
-    N = n.inputs[1].shape[2]
+    B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N] (or [B, N, K]: rhs_t)
+    rhs_t = bool(n.p("rhs_t", False))
+    N = n.out.shape[2]
+    # an NT rhs in N blocks that do not divide N: the last block's rows past N load as NaN
+    n_mask = N if rhs_t and N % rhs.block[1] else 0
     scratch = ctx.sp_plan(
         [
             ("lhs", lhs.block, la.dtype, slots),
@@ -414,7 +417,7 @@ def matmul_stage(
         (lhs, rhs),
         out,
         scratch,
-        (("PE", "matmul", MatmulBody(K, lo.dtype)),),
+        (("PE", "matmul", MatmulBody(K, lo.dtype, rhs_t, n_mask)),),
         *tabs,
         flops=2 * B * M * N * K,
         source=n.source,
