@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from device_model.card import DEFAULT_CARD, CardSpec
-from device_model.execute import build_runner
 from device_model.kernel import Kernel, ScheduleError, check_kernel
 from device_model.layout import DTYPES, TensorLayout, layout_for, np_dtype
+from device_model.program import build_runner
 from device_model.reference import run_kernel_reference
 from device_model.timing import kernel_cost
 from device_model.trace import chrome_trace

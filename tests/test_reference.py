@@ -26,8 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spyre_jax
-from device_model.execute import build_runner
 from device_model.kernel import Kernel, Stage
+from device_model.program import build_runner
 from device_model.reference import (
     Scratchpad,
     block_slices,
