@@ -26,6 +26,7 @@ from .tiling import (
     _cands,
     _choose_general,
     _Ctx,
+    _divisors,
     _NoFit,
     _ragged_cands,
     _tables,
@@ -218,14 +219,18 @@ def _reshape_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
     except _NoFit as e:
         need = e.need
         ctx.rollback(mark)
+    # through rows of a common divisor of both row lengths, the largest that fits: the gcd
+    # first, then smaller ones (rows of 1 element at worst: each its own stick, a temp that
+    # large only for rows longer than the scratchpad whose length has no other divisor)
     g = math.gcd(l_in, l_out)
-    if g not in (l_in, l_out):
+    mids = [d for d in sorted(_divisors(g), reverse=True) if d not in (l_in, l_out)]
+    total = r_in * l_in
+    for d in mids[:4] + ([1] if mids[4:] else []):
         mid = f"{base_out}_m{len(ctx.decls)}"
-        total = r_in * l_in
-        ctx.decls[mid] = TensorDecl(mid, layout_for((total // g, g), dt, stick), "temp")
+        ctx.decls[mid] = TensorDecl(mid, layout_for((total // d, d), dt, stick), "temp")
         try:
-            s1 = _reshape_chunks(ctx, n, base_in, mid, dt, l_in, g, r_in, total // g)
-            s2 = _reshape_chunks(ctx, n, mid, base_out, dt, g, l_out, total // g, r_out, 1)
+            s1 = _reshape_chunks(ctx, n, base_in, mid, dt, l_in, d, r_in, total // d)
+            s2 = _reshape_chunks(ctx, n, mid, base_out, dt, d, l_out, total // d, r_out, 1)
             return [s1, s2]
         except _NoFit as e:
             need = min(need, e.need)

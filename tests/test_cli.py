@@ -1,4 +1,5 @@
-"""The command line: the demo and the benchmarks run and report what the README says."""
+"""The command line: the demo, the benchmarks and the fuzzer run and report what the README
+says."""
 
 from __future__ import annotations
 
@@ -80,9 +81,9 @@ def test_help_exits_zero_and_lists_the_commands():
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    for cmd in ("coverage", "demo", "bench"):
+    for cmd in ("coverage", "demo", "bench", "fuzz"):
         assert cmd in r.stdout, cmd
-    assert "the demo and the benchmarks" in r.stdout
+    assert "the demo, the benchmarks and the fuzzer" in " ".join(r.stdout.split())
 
 
 def test_coverage_description_is_coverage_common_first_line():
@@ -130,3 +131,35 @@ def test_bench_models_json(capsys):
     assert r["fallbacks"] == 0 and r["cosine"] >= 0.999 and r["sim_prefill_us"] > 0
     with pytest.raises(ValueError, match="gpt2-small"):
         cli.main(["bench", "models", "--models", "nope"])
+
+
+def test_fuzz_runs_programs_and_reports(capsys):
+    assert cli.main(["fuzz", "--examples", "3", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["programs"] == 3 and rep["failed"] == 0 and rep["disagreements"] == []
+    assert rep["wall_s"] > 0 and rep["real_shapes"] == "mix" and rep["seed"] == 0
+    assert cli.main(["fuzz", "--examples", "1", "--real-shapes", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "programs run        1 (0 real-shape" in out and "disagreements       0" in out
+
+
+def test_fuzz_shrinks_each_disagreement_and_exits_one(monkeypatch, capsys):
+    # a planted finding (no card runs): every program with a tanh step "disagrees"; the run
+    # keeps going, counts them, shrinks the first to one tanh on a [1, 1] input and exits 1
+    from spyre_jax.tools import fuzz
+
+    err = (
+        "frontends disagree (rtol=0.0002 atol=0.0002):\n"
+        "  jax.jit (cpu) vs torch.compile spyre (card)  0  0.01  0.01  (0, 0)  NO"
+    )
+    monkeypatch.setattr(
+        fuzz, "program_error", lambda c: err if any("tanh" in s for s in c.prog) else None
+    )
+    assert cli.main(["fuzz", "--examples", "40", "--real-shapes", "off", "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["programs"] == 40 and 0 < rep["failed"] < 40
+    (d,) = rep["disagreements"]
+    assert d["kind"] == "torch.compile spyre (card)" and d["count"] == rep["failed"]
+    assert d["case"] == "Case(rows=1, cols=1, prog=[('unary', 0, 'tanh')], seed=0, k=0)"
+    assert cli.main(["fuzz", "--examples", "40", "--real-shapes", "off"]) == 1
+    assert "run_program(Case(rows=1, cols=1, prog=[('unary', 0, 'tanh')]" in capsys.readouterr().out

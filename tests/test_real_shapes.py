@@ -495,3 +495,15 @@ def test_jnp_split(split):
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("shape", [(2, 419431), (2, 419425), (4, 419431), (2, 1048575)])
+def test_flatten_of_rows_longer_than_the_scratchpad(shape):
+    # regression (found by the fuzz net): rows longer than one core's usable scratchpad whose
+    # length has no divisor making whole sticks could not be flattened (TilingError); they go
+    # through rows of a smaller common divisor now
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    got = np.asarray(spyre_jax.jit(lambda v: v.reshape(-1) * 2)(x))
+    np.testing.assert_array_equal(got, x.reshape(-1) * 2)
+    back = np.asarray(spyre_jax.jit(lambda v: (v * 2).reshape(-1).reshape(shape))(x))
+    np.testing.assert_array_equal(back, x * 2)

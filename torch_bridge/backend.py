@@ -17,6 +17,7 @@ import functools
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +53,10 @@ __all__ = [
 _lock = threading.Lock()
 _fallbacks: collections.Counter[str] = collections.Counter()
 _stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
-_kernels: list[Any] = []  # every card kernel (a _CardGraph) since the last reset
+# every card kernel (a _CardGraph) since the last reset, while something (Dynamo's cache, the
+# caller) still holds it: a weak reference, so that recompiling does not keep every old kernel
+# and its compiled card program alive
+_kernels: list[weakref.ref] = []
 
 
 def fallback_stats() -> dict[str, int]:
@@ -69,11 +73,14 @@ def reset_fallback_stats() -> None:
 
 
 def compiled_kernels() -> list[Any]:
-    """The card kernels the backend made since the last reset: each has ``graph`` (the graph
-    IR), ``kernel`` (the schedule), ``executable`` and ``cost_analysis()`` (simulated time,
-    scratchpad peak, traffic, ...)."""
+    """The card kernels the backend made since the last reset and that are still in use (held
+    by Dynamo's cache or by the caller; the list does not keep them alive): each has ``graph``
+    (the graph IR), ``kernel`` (the schedule), ``executable`` and ``cost_analysis()`` (simulated
+    time, scratchpad peak, traffic, ...)."""
     with _lock:
-        return list(_kernels)
+        live = [k for r in _kernels if (k := r()) is not None]
+        _kernels[:] = [weakref.ref(k) for k in live]
+        return live
 
 
 def compile_stats() -> dict[str, float]:
@@ -181,7 +188,7 @@ class _CardGraph:
         self.kernel = self.executable.kernel
         self.recipe = self.executable.recipe
         with _lock:
-            _kernels.append(self)
+            _kernels.append(weakref.ref(self))
         outs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         outs = outs if isinstance(outs, list | tuple) else [outs]
         self.out_meta = [_val(o) for o in outs]

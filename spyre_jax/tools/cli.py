@@ -1,4 +1,4 @@
-"""``spyre-jax`` / ``python -m spyre_jax``: the demo and the benchmarks."""
+"""``spyre-jax`` / ``python -m spyre_jax``: the demo, the benchmarks and the fuzzer."""
 
 from __future__ import annotations
 
@@ -97,6 +97,22 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    try:
+        from . import fuzz
+    except ImportError as e:  # hypothesis is a test dependency
+        print(f"spyre-jax fuzz needs {e.name}: pip install 'spyre-jax[test]'", file=sys.stderr)
+        return 2
+
+    def progress(done: int, failed: int, seconds: float) -> None:
+        if done % 100 == 0:
+            print(f"  {done} programs, {failed} disagree, {seconds:.0f} s", file=sys.stderr)
+
+    rep = fuzz.fuzz(args.examples, seed=args.seed, real_shapes=args.real_shapes, progress=progress)
+    print(json.dumps(rep) if args.json else fuzz.format_report(rep))
+    return 1 if rep["failed"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "coverage":
@@ -116,6 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
     pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
     pb.add_argument("--seq", type=int, default=128, help="models: prompt length")
+    pf = sub.add_parser(
+        "fuzz", help="random programs through JAX, torch and the card: fuzz --examples N"
+    )
+    pf.add_argument("--examples", type=int, default=200, help="programs to run (default 200)")
+    pf.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    pf.add_argument(
+        "--real-shapes",
+        choices=["mix", "only", "off"],
+        default="mix",
+        help="real-size shapes: about one program in ten (mix), all (only), none (off)",
+    )
+    pf.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
         args.reps = 1 if args.which == "models" else 5
@@ -123,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.cmd == "bench":
         return _bench(args)
+    if args.cmd == "fuzz":
+        return _fuzz(args)
     return 2  # pragma: no cover
 
 
