@@ -27,7 +27,11 @@ cores or tiles at run time. The semantics of every compute body are ``device_mod
 
 Blocks that reach past a tensor (ragged edge blocks, windows of slices and concatenations, see
 ``device_model.kernel``) are read from the tensor padded with the uninitialized value and
-stored cropped. Accumulating stages (a matmul's K loop; a map whose reduction is split across
+stored cropped. A large input (``blocks.DIRECT_LOAD_BYTES``) whose blocks are not a plain reshape of
+its device array is not cut into blocks up front (that would copy a whole weight, twice with the
+padding, for the stage's lifetime): each step gathers its blocks straight from the array, edge
+blocks shifted into place and filled past the tensor (``blocks.Source``). Accumulating stages
+(a matmul's K loop; a map whose reduction is split across
 steps, its body carrying an ``ops.SplitReduce``) combine each step into the ``acc`` buffers and
 write the output on the last step of a block; a split cumsum stores every block and carries
 its running total. An input buffer with a single slot in a stage of several steps is loaded
@@ -46,13 +50,13 @@ import numpy as np
 from jax import lax
 
 from . import ops
+from .blocks import Source, from_blocks, static, take, uninit_value
 from .kernel import (
     Kernel,
     Operand,
     SpBuf,
     Stage,
     blocks_of,
-    operand_grid,
     resolve_aliases,
 )
 from .layout import np_dtype
@@ -60,9 +64,6 @@ from .layout import np_dtype
 __all__ = [
     "run_kernel",
     "run_stage",
-    "to_blocks",
-    "from_blocks",
-    "operand_blocks",
     "UNROLL_STEPS",
 ]
 
@@ -73,102 +74,6 @@ UNROLL_STEPS = 4
 #: 2 cuts cold compile of a transformer block by ~40% with no measurable loss of run speed (the
 #: heavy work is GEMMs, done by XLA's runtime library either way); see ``bench sim``.
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 1}
-
-
-def to_blocks(xp: Any, arr: Any, block: tuple[int, ...]) -> Any:
-    """``[*device_shape]`` -> ``[num_blocks, *block]``, blocks in row-major order."""
-    shape = arr.shape
-    nb = blocks_of(tuple(shape), block)
-    if all(n == 1 for n in nb):
-        return arr[None]
-    inter = []
-    for n, b in zip(nb, block, strict=True):
-        inter += [n, b]
-    x = arr.reshape(inter)
-    r = len(shape)
-    perm = [2 * i for i in range(r)] + [2 * i + 1 for i in range(r)]
-    moved = [p for p in perm if x.shape[p] != 1]
-    if moved != sorted(moved):  # only a real transpose when non-trivial axes change order
-        x = xp.transpose(x, perm)
-    return x.reshape((math.prod(nb), *block))
-
-
-def from_blocks(xp: Any, blocks: Any, device_shape: tuple[int, ...], block: tuple[int, ...]) -> Any:
-    """Inverse of :func:`to_blocks` (ragged edge blocks: what lies past the tensor is dropped)."""
-    nb = blocks_of(device_shape, block)
-    padded = tuple(n * b for n, b in zip(nb, block, strict=True))
-    if all(n == 1 for n in nb):
-        x = blocks[0]
-    else:
-        r = len(device_shape)
-        x = blocks.reshape((*nb, *block))
-        perm = []
-        for i in range(r):
-            perm += [i, r + i]
-        moved = [p for p in perm if x.shape[p] != 1]
-        if moved != sorted(moved):
-            x = xp.transpose(x, perm)
-        x = x.reshape(padded)
-    if padded != tuple(device_shape):
-        x = x[tuple(slice(0, d) for d in device_shape)]
-    return x
-
-
-def operand_blocks(xp: Any, arr: Any, op: Operand, fill: Any) -> Any:
-    """An input tensor as the blocks its operand reads, ``[num_blocks, *block]`` (row-major over
-    :func:`~device_model.kernel.operand_grid`); the parts of blocks outside the tensor read
-    ``fill`` (the uninitialized-scratchpad value)."""
-    dev = tuple(arr.shape)
-    if not op.windowed:
-        nb = blocks_of(dev, op.block)
-        padded = tuple(n * b for n, b in zip(nb, op.block, strict=True))
-        if padded != dev:
-            arr = xp.pad(
-                arr, [(0, p - d) for p, d in zip(padded, dev, strict=True)], constant_values=fill
-            )
-        return to_blocks(xp, arr, op.block)
-    grid = operand_grid(op, dev)
-    x = arr
-    r = len(dev)
-    for d in range(r):
-        o, s, b, n = op.origins[d], op.steps[d], op.block[d], grid[d]
-        ax = 2 * d  # dims before d are already split into (n, b) pairs
-        lo = max(0, -o)
-        end = max(o + n * s, o + (n - 1) * s + b)
-        hi = max(0, end - dev[d])
-        if lo or hi:
-            pads = [(0, 0)] * x.ndim
-            pads[ax] = (lo, hi)
-            x = xp.pad(x, pads, constant_values=fill)
-        start = o + lo
-        shp = x.shape
-        if s >= b:
-            x = (
-                lax.slice_in_dim(x, start, start + n * s, axis=ax)
-                if xp is jnp
-                else x[(slice(None),) * ax + (slice(start, start + n * s),)]
-            )
-            x = x.reshape((*shp[:ax], n, s, *shp[ax + 1 :]))
-            if s != b:
-                x = x[(slice(None),) * (ax + 1) + (slice(0, b),)]
-        else:  # overlapping windows
-            idx = start + np.arange(n)[:, None] * s + np.arange(b)[None, :]
-            x = xp.take(x, idx.reshape(-1), axis=ax)
-            x = x.reshape((*shp[:ax], n, b, *shp[ax + 1 :]))
-    perm = [2 * i for i in range(r)] + [2 * i + 1 for i in range(r)]
-    moved = [p for p in perm if x.shape[p] != 1]
-    if moved != sorted(moved):
-        x = xp.transpose(x, perm)
-    return x.reshape((math.prod(grid), *op.block))
-
-
-def uninit_value(dtype: str) -> Any:
-    """What an all-ones-bytes (never written) scratchpad word reads as in ``dtype``."""
-    if dtype == "bool":
-        return True
-    if dtype == "int32":
-        return -1
-    return np.nan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +140,7 @@ class _Buffers:
         """Every core's view of one slot: ``[cores, *block]``."""
         x = _slot(self.data[name], slot)
         r = self.rows(name)
-        return x if r is None else _take(x, r)
+        return x if r is None else take(x, r)
 
     def read_rows(self, name: str, slot: Any) -> jax.Array:
         """The stored rows of one slot (one per loading core): ``[rows, *block]``."""
@@ -274,55 +179,27 @@ def _slot(arr: jax.Array, slot: Any) -> jax.Array:
     return lax.dynamic_index_in_dim(arr, slot, axis=1, keepdims=False)
 
 
-def _static(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
-
-
-def _take(x: jax.Array, idx: np.ndarray) -> jax.Array:
-    """``x[idx]`` along axis 0 for a static index vector, as a slice or broadcast when it is one
-    (fewer gathers: smaller programs that XLA compiles faster)."""
-    n = len(idx)
-    if n == 0:
-        return x[:0]
-    a = int(idx[0])
-    if n == x.shape[0] and (idx == np.arange(n)).all():
-        return x
-    if (idx == a).all():
-        return jnp.broadcast_to(x[a], (n, *x.shape[1:]))
-    if (idx == np.arange(a, a + n)).all():
-        return lax.slice_in_dim(x, a, a + n, axis=0)
-    return x[idx]
-
-
-def _take_blocks(blocked: jax.Array, idx: Any) -> jax.Array:
-    """Blocks ``idx`` (one per row; -1 entries are fetched clamped and masked by the caller)."""
-    nb = blocked.shape[0]
-    if _static(idx):
-        return _take(blocked, np.clip(idx, 0, nb - 1))
-    return blocked[jnp.clip(idx, 0, nb - 1)]
-
-
-def _load(bufs: _Buffers, op: Operand, blocked: jax.Array, idx: Any, ring: Any, slot: Any) -> None:
+def _load(bufs: _Buffers, op: Operand, src: Source, idx: Any, ring: Any, slot: Any) -> None:
     """Load-unit step for one operand: device blocks -> scratchpad, then ring forwarding."""
     p = bufs.plans[op.sp]
     if p.lazy:
         idx = idx[p.loaders]
-        if _static(idx) and (idx < 0).all():
+        if static(idx) and (idx < 0).all():
             return
-        new = _take_blocks(blocked, idx)
-        if not (_static(idx) and (idx >= 0).all()):
+        new = src.take(idx)
+        if not (static(idx) and (idx >= 0).all()):
             old = bufs.read_rows(op.sp, slot)[: len(p.loaders)]
             new = jnp.where(_bmask(idx >= 0, new), new, old)
         bufs.write_rows(op.sp, slot, new)  # the never-written row (if any) keeps its bytes
         return
     # materialized: every core has its own copy
-    if _static(idx) and (idx < 0).all() and _static(ring) and (ring < 0).all():
+    if static(idx) and (idx < 0).all() and static(ring) and (ring < 0).all():
         return
-    new = _take_blocks(blocked, idx)
-    if not (_static(idx) and (idx >= 0).all()):
+    new = src.take(idx)
+    if not (static(idx) and (idx >= 0).all()):
         new = jnp.where(_bmask(idx >= 0, new), new, bufs.read_rows(op.sp, slot))
-    if not (_static(ring) and (ring < 0).all()):
-        src = np.clip(ring, 0, None) if _static(ring) else jnp.clip(ring, 0, None)
+    if not (static(ring) and (ring < 0).all()):
+        src = np.clip(ring, 0, None) if static(ring) else jnp.clip(ring, 0, None)
         new = jnp.where(_bmask(ring >= 0, new), new[src], new)
     bufs.write(op.sp, slot, new)
 
@@ -339,7 +216,7 @@ def _bmask(m: Any, like: jax.Array) -> Any:
 def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
     nb = out_blocked.shape[0]
     tile = tile.astype(out_blocked.dtype)
-    if _static(idx):
+    if static(idx):
         if len(idx) == nb and (idx == np.arange(nb)).all():
             return tile
         if (idx < 0).all():
@@ -347,8 +224,8 @@ def _store(out_blocked: jax.Array, tile: jax.Array, idx: Any) -> jax.Array:
         keep = np.flatnonzero(idx >= 0)
         tgt = idx[keep]
         if len(tgt) == nb:  # every block stored: a permutation of the stored tiles
-            return _take(tile, keep[np.argsort(tgt)])
-        return out_blocked.at[tgt].set(_take(tile, keep))
+            return take(tile, keep[np.argsort(tgt)])
+        return out_blocked.at[tgt].set(take(tile, keep))
     safe = jnp.where(idx < 0, nb, idx)
     return out_blocked.at[safe].set(tile, mode="drop")
 
@@ -404,14 +281,14 @@ def _matmul(
     if by_r and len(by_r) <= len(by_l):
         for r, cores in by_r.items():
             li = lrows[np.asarray(cores)]
-            a = _take(lhs, li)
+            a = take(lhs, li)
             a = a[:, 0, :, :k].reshape(len(cores) * tm, k)
             parts.append(dot(a, rhs[r, 0]).reshape(len(cores), 1, tm, tn))
             order += cores
     elif by_l:
         for r, cores in by_l.items():
             ri = rrows[np.asarray(cores)]
-            b = _take(rhs, ri)
+            b = take(rhs, ri)
             if rt:
                 b = b[:, 0].reshape(len(cores) * tn, k)  # [n*tn, k]
             else:
@@ -425,7 +302,7 @@ def _matmul(
         order += idle
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     inv = np.argsort(np.asarray(order))
-    return _take(out, inv)
+    return take(out, inv)
 
 
 def _write_out(bufs: _Buffers, out: Operand, oslot: Any, r: jax.Array) -> None:
@@ -649,8 +526,8 @@ def run_stage(
         for i, op in enumerate(stage.inputs)
     }
     bufs = _Buffers(stage, ncores, plans)
-    blocked = [
-        operand_blocks(jnp, env[op.tensor], op, uninit_value(decls[op.tensor].layout.dtype))
+    sources = [
+        Source(env[op.tensor], op, uninit_value(decls[op.tensor].layout.dtype))
         for op in stage.inputs
     ]
     out = stage.output
@@ -668,7 +545,7 @@ def run_stage(
     def load_step(t: Any, loads: Any, ring: Any, which: list[int]) -> None:
         for i in which:
             op = stage.inputs[i]
-            _load(bufs, op, blocked[i], loads[i], ring[i], cx.slot(op.sp, t))
+            _load(bufs, op, sources[i], loads[i], ring[i], cx.slot(op.sp, t))
 
     def store(t: Any, stores: Any, ob: jax.Array) -> jax.Array:
         return _store(ob, bufs.read(out.sp, cx.slot(out.sp, t)), stores)

@@ -9,6 +9,8 @@ so that the identical layers of a model compile once.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,6 +36,22 @@ STAGED_MIN_STAGES = 24
 STAGE_CACHE_SIZE = 4096
 _stage_cache: OrderedDict[Any, Callable[..., jax.Array]] = OrderedDict()
 _stage_stats = {"compiled": 0, "reused": 0}
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or a no-op where the C library has none."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: None if trim(0) is None else None
+
+
+#: after each new stage program compiles, the heap's free pages go back to the OS: XLA's
+#: compiler threads free their working memory into per-thread arenas, which would otherwise stay
+#: in the process's resident memory and grow it by some MB per program compiled
+release_free_memory = _malloc_trim()
 
 
 def stage_cache_stats() -> dict[str, int]:
@@ -186,6 +204,8 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
         # the first run compiles the new stage programs: a progress bar when it is long
         for i, (out, fn, reads, new) in enumerate(steps):
             env[out] = fn(*[lookup(env, n) for n in reads])
+            if new and bar is not None:
+                release_free_memory()
             for name in frees[i]:  # dead after its last reader: its memory goes now
                 env.pop(name, None)
             if bar is not None:
