@@ -33,6 +33,7 @@ from device_model.runtime import runtime
 from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import from_fx, node_source, supported
 
+from .dynamic import DynamicGraph, is_dynamic
 from .errors import InferenceOnlyError, SpyreFallbackWarning
 from .kernels import load, run_graph
 from .storage import from_host, to_host
@@ -57,6 +58,8 @@ _stats = {"graphs": 0, "kernels": 0, "compile_s": 0.0}
 # caller) still holds it: a weak reference, so that recompiling does not keep every old kernel
 # and its compiled card program alive
 _kernels: list[weakref.ref] = []
+# every graph of symbolic sizes (a DynamicGraph: a kernel per size), weakly, as _kernels
+_dynamic: list[weakref.ref] = []
 
 
 def fallback_stats() -> dict[str, int]:
@@ -70,6 +73,7 @@ def reset_fallback_stats() -> None:
         _fallbacks.clear()
         _stats.update(graphs=0, kernels=0, compile_s=0.0)
         _kernels.clear()
+        _dynamic.clear()
 
 
 def compiled_kernels() -> list[Any]:
@@ -84,9 +88,12 @@ def compiled_kernels() -> list[Any]:
 
 
 def compile_stats() -> dict[str, float]:
-    """Graphs compiled by the backend, card kernels they became, and the seconds spent."""
+    """Graphs compiled by the backend (a graph of symbolic sizes counts once per size it was
+    specialized to), card kernels they became, the seconds spent, and how many of the graphs
+    were graphs of symbolic sizes (``dynamic_graphs``) still in use."""
     with _lock:
-        return dict(_stats)
+        live = [g for r in _dynamic if (g := r()) is not None]
+        return {**_stats, "dynamic_graphs": len(live)}
 
 
 _OPTIONS = frozenset({"strict"})
@@ -135,6 +142,21 @@ def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: b
 
 
 def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
+    if is_dynamic(gm):  # symbolic sizes: a static kernel per concrete size, at call time
+        run = DynamicGraph(gm, functools.partial(_compile_static, strict=strict))
+        with _lock:
+            _dynamic.append(weakref.ref(run))
+    else:
+        run = _compile_static(gm, strict=strict)
+
+    def forward(*args: Any) -> Any:
+        return run(*args)
+
+    return make_boxed_func(forward)
+
+
+def _compile_static(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
+    """A graph of static sizes as one card kernel, or card kernels and CPU fallbacks."""
     t0 = time.perf_counter()
     bad = [n for n in gm.graph.nodes if not supported(n)]
     if bad and strict:
@@ -160,11 +182,7 @@ def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable
         _stats["graphs"] += 1
         _stats["kernels"] += nk
         _stats["compile_s"] += time.perf_counter() - t0
-
-    def forward(*args: Any) -> Any:
-        return run(*args)
-
-    return make_boxed_func(forward)
+    return run
 
 
 def _context(gm: torch.fx.GraphModule, node: torch.fx.Node, radius: int = 2) -> str:

@@ -1,0 +1,104 @@
+"""Graphs of symbolic sizes through ``torch.compile(backend="spyre")``: a static kernel per size.
+
+Dynamo makes a size symbolic when it changes between calls (a serving loop), with
+``dynamic=True`` or ``torch._dynamo.mark_dynamic``; the backend then gets ``SymInt`` inputs.
+``torch_bridge.dynamic.DynamicGraph`` specializes such a graph to each concrete size it is
+called with and caches the kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_bridge import backend as tb
+from torch_bridge.dynamic import DynamicGraph, is_dynamic
+
+# fp32 on the card: fp32 products and sums, in another order than the CPU's
+ATOL = RTOL = 2e-5
+
+
+def _dynamic_graphs() -> list[DynamicGraph]:
+    return [g for r in tb._dynamic if (g := r()) is not None]
+
+
+def _attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # sizes used as numbers too: the mean over rows, a view by the row count, positions
+    q = x @ w
+    s = F.softmax(q @ x.transpose(0, 1) / x.shape[-1] ** 0.5, dim=-1)
+    pos = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+    y = (s @ x + pos).view(x.shape[0] * 2, -1)
+    return y - y.mean(dim=0, keepdim=True)
+
+
+def test_dynamic_true_compiles_one_kernel_per_size_and_reuses_it():
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    w = torch.randn(64, 64) / 8
+    f = torch.compile(_attention, backend="spyre", dynamic=True)
+    with torch.no_grad():
+        for n in (5, 9, 5, 17, 9):
+            x = torch.randn(n, 64)
+            torch.testing.assert_close(f(x, w), _attention(x, w), atol=ATOL, rtol=RTOL)
+    graphs = _dynamic_graphs()
+    assert len(graphs) == 1 and is_dynamic(graphs[0].gm)
+    assert graphs[0].compiles == 3  # 5, 9 and 17: the repeated sizes reuse their kernels
+    assert tb.fallback_stats() == {}
+
+
+def test_a_size_that_changes_between_calls_becomes_symbolic():
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    w = torch.randn(64, 64) / 8
+    f = torch.compile(_attention, backend="spyre")  # Dynamo's default: dynamic on a change
+    with torch.no_grad():
+        for n in (4, 6, 8):
+            x = torch.randn(n, 64)
+            torch.testing.assert_close(f(x, w), _attention(x, w), atol=ATOL, rtol=RTOL)
+    assert len(_dynamic_graphs()) == 1
+
+
+def test_mark_dynamic_on_a_spyre_tensor():
+    torch._dynamo.reset()
+    w = torch.randn(64, 64) / 8
+
+    def f(x):
+        return torch.tanh(x @ w.to(x.device)).sum(dim=0)
+
+    g = torch.compile(f, backend="spyre")
+    with torch.no_grad():
+        for n in (3, 7):
+            x = torch.randn(n, 64)
+            xs = x.to("spyre")
+            torch._dynamo.mark_dynamic(xs, 0)
+            got = g(xs)
+            assert got.device.type == "spyre"
+            torch.testing.assert_close(got.cpu(), f(x), atol=1e-4, rtol=1e-4)
+
+
+def test_generate_with_the_dynamic_cache_gives_eager_tokens():
+    # regression: the second decode step failed with "graph input sym_size_int_1 is not a
+    # tensor" (Dynamo marks the KV length dynamic)
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=5, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="spyre")
+        got = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    assert _dynamic_graphs(), "the decode steps never reached a graph of symbolic sizes"
+    assert tb.fallback_stats() == {}

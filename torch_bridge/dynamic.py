@@ -1,0 +1,180 @@
+"""Graphs with symbolic sizes: one card kernel per concrete size, compiled when first seen.
+
+Dynamo marks a size dynamic when it sees it change (a serving loop's sequence length, a growing
+KV cache) or when asked (``dynamic=True``, ``torch._dynamo.mark_dynamic``); AOTAutograd then
+hands the backend a graph whose inputs include ``SymInt`` sizes and tensors of symbolic shape.
+The card's schedules are static, so :class:`DynamicGraph` specializes the graph at call time:
+the sizes of the call's arguments bind the symbols, ``make_fx`` traces the graph again over fake
+tensors of those sizes (every symbolic expression folds to a number), and the static graph
+compiles as any other (``compile_static``). Kernels are cached by the arguments' sizes and
+dtypes: a size seen before launches its kernel at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["DynamicGraph", "is_dynamic", "SPECIALIZATIONS"]
+
+#: the most kernels one dynamic graph keeps (least recently used go first)
+SPECIALIZATIONS = 64
+
+
+def _symbolic(v: Any) -> bool:
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return True
+    if isinstance(v, torch.Tensor):
+        return any(not isinstance(d, int) for d in v.shape)
+    return False
+
+
+def is_dynamic(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph takes symbolic sizes (a ``SymInt`` input or a tensor of symbolic shape)."""
+    return any(_symbolic(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((tuple(a.shape), a.dtype, a.device.type))
+        elif isinstance(a, int | float | bool):
+            out.append((type(a).__name__, a))
+        else:
+            out.append(type(a).__name__)
+    return tuple(out)
+
+
+class DynamicGraph:
+    """A graph of symbolic sizes: a static card kernel per concrete size (see the module
+    docstring). ``compile_static(gm)`` turns a static graph into its callable (the backend's
+    whole-graph kernel, or its partition with CPU fallbacks)."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, compile_static: Callable[[torch.fx.GraphModule], Any]
+    ):
+        self.gm = gm
+        self.compile_static = compile_static
+        self.kernels: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self.compiles = 0
+        self._lock = threading.Lock()
+
+    def specialize(self, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+        """The graph traced again at the sizes of ``args``: a static graph of core ATen ops."""
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:  # fakes of the arguments' sizes, on their devices (nothing allocated)
+            fakes = [
+                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                if isinstance(a, torch.Tensor)
+                else a
+                for a in args
+            ]
+        with torch.no_grad():
+            static = make_fx(
+                self.gm,
+                decomposition_table=core_aten_decompositions(),
+                tracing_mode="fake",
+                _allow_non_fake_inputs=True,
+            )(*fakes)
+        _copy_sources(self.gm, static)
+        # the sizes are numbers in the traced graph now: their inputs have no users; drop them
+        for n in list(static.graph.nodes):
+            if (
+                n.op == "placeholder"
+                and not n.users
+                and not isinstance(n.meta.get("val"), torch.Tensor)
+            ):
+                static.graph.erase_node(n)
+        _fold_constants(static)
+        static.recompile()
+        return static
+
+    def __call__(self, *args: Any) -> Any:
+        key = _key(args)
+        with self._lock:
+            run = self.kernels.get(key)
+            if run is not None:
+                self.kernels.move_to_end(key)
+        if run is None:
+            run = _Specialized(self.compile_static(self.specialize(args)), args)
+            with self._lock:
+                self.kernels[key] = run
+                self.compiles += 1
+                while len(self.kernels) > SPECIALIZATIONS:
+                    self.kernels.popitem(last=False)
+        return run(*args)
+
+
+class _Specialized:
+    """A static kernel of a dynamic graph: called with the graph's arguments, it takes the
+    tensors (the sizes are numbers inside it)."""
+
+    def __init__(self, run: Any, args: tuple[Any, ...]):
+        self.run = run
+        self.keep = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*[args[i] for i in self.keep])
+
+
+#: a computation on sizes alone folds to a constant when its result has at most this many elements
+FOLD_MAX_ELEMENTS = 1 << 16
+
+
+def _fold_constants(gm: torch.fx.GraphModule) -> None:
+    """Evaluate what no input reaches (arithmetic on the sizes, now numbers: the ``** 0.5`` of
+    a head width, ``arange`` of a length) into constants of the graph, so that the scalar
+    computations Dynamo traced for symbolic sizes (often in float64) do not reach the card."""
+    values: dict[torch.fx.Node, Any] = {}
+    for n in list(gm.graph.nodes):
+        if n.op == "get_attr":
+            obj: Any = gm
+            for part in n.target.split("."):
+                obj = getattr(obj, part)
+            values[n] = obj
+            continue
+        if n.op != "call_function":
+            continue
+        deps = n.all_input_nodes
+        if not all(d in values for d in deps) or n.target is torch.ops.aten.empty.memory_format:
+            continue
+        args = torch.fx.node.map_arg(n.args, lambda d: values[d])
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda d: values[d])
+        try:
+            v = n.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - not foldable here: the card computes it
+            continue
+        if not isinstance(v, torch.Tensor) or v.numel() > FOLD_MAX_ELEMENTS:
+            continue
+        values[n] = v
+        name = f"_folded_{len(values)}"
+        gm.register_buffer(name, v)
+        with gm.graph.inserting_before(n):
+            c = gm.graph.get_attr(name)
+        c.meta["val"] = v
+        n.replace_all_uses_with(c)
+        gm.graph.erase_node(n)
+        values[c] = v
+    gm.graph.eliminate_dead_code()
+
+
+def _copy_sources(src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> None:
+    """Give the retraced nodes the user's source lines back: each node of ``dst`` takes the
+    stack trace of the first node of ``src`` with the same target, in order (errors then point
+    at the user's line as they do for static graphs)."""
+    traces: dict[Any, list[str]] = {}
+    for n in src.graph.nodes:
+        if n.op == "call_function" and n.meta.get("stack_trace"):
+            traces.setdefault(n.target, []).append(n.meta["stack_trace"])
+    for n in dst.graph.nodes:
+        if n.op == "call_function" and traces.get(n.target):
+            n.meta["stack_trace"] = traces[n.target].pop(0)
