@@ -54,6 +54,14 @@ class Builder:
         self.consts.append((v, arr))
         return v
 
+    def full(self, shape: tuple[int, ...], value: Any, dtype: str) -> Var:
+        """``shape`` filled with ``value``: one scalar constant, broadcast (fused into its
+        readers; never a tensor of copies in device memory)."""
+        v = self.const(np.asarray(value), dtype)
+        if not shape:
+            return v
+        return self.emit("broadcast", [v], tuple(shape), dtype, shape=tuple(shape), dims=())
+
     def as_var(self, x: Var | Lit, shape: tuple[int, ...] = ()) -> Var:
         """A Var for an operand: literals become broadcast constants of ``shape``."""
         if isinstance(x, Var):

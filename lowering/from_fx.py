@@ -23,7 +23,7 @@ import numpy as np
 from . import fx_elementwise, fx_tensor, torch_import
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
-from .fx_common import RULES, card_dtype, is_card_dtype, meta_val, rule
+from .fx_common import RULES, WHEN, card_dtype, is_card_dtype, meta_val, rule
 from .graph import Graph, Var
 from .source import user_line
 from .torch_import import torch
@@ -41,6 +41,9 @@ def supported(node: torch.fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     if node.target not in RULES:
+        return False
+    when = WHEN.get(node.target)
+    if when is not None and not when(node):
         return False
     vals = node.meta.get("val")
     for v in vals if isinstance(vals, list | tuple) else [vals]:

@@ -74,12 +74,20 @@ Rule = Callable[..., Any]
 RULES: dict[Any, Rule] = {}
 
 
-def rule(*ops: Any) -> Callable[[Rule], Rule]:
-    """Register the decorated function as the rule of each of ``ops``."""
+#: op -> predicate on the node: a rule that covers only some uses of its op (the others run on
+#: the CPU as an op with no rule does)
+WHEN: dict[Any, Callable[[Any], bool]] = {}
+
+
+def rule(*ops: Any, when: Callable[[Any], bool] | None = None) -> Callable[[Rule], Rule]:
+    """Register the decorated function as the rule of each of ``ops`` (of the nodes ``when``
+    accepts, if given)."""
 
     def deco(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
+            if when is not None:
+                WHEN[op] = when
         return fn
 
     return deco

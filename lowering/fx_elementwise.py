@@ -257,19 +257,19 @@ def _copy(b: Builder, node: torch.fx.Node, x: Any, **kw: Any) -> Var:
 @rule(aten.full.default)
 def _full(b: Builder, node: torch.fx.Node, size: Any, value: Any, **kw: Any) -> Var:
     shape, dt = result(node)
-    return b.const(np.full(shape, value), dt)
+    return b.full(shape, value, dt)
 
 
 @rule(aten.full_like.default)
 def _full_like(b: Builder, node: torch.fx.Node, x: Any, value: Any, **kw: Any) -> Var:
     shape, dt = result(node)
-    return b.const(np.full(shape, value), dt)
+    return b.full(shape, value, dt)
 
 
 @rule(aten.zeros_like.default, aten.ones_like.default)
 def _zeros_like(b: Builder, node: torch.fx.Node, x: Any, **kw: Any) -> Var:
     shape, dt = result(node)
-    return b.const(np.full(shape, 1 if node.target is aten.ones_like.default else 0), dt)
+    return b.full(shape, 1 if node.target is aten.ones_like.default else 0, dt)
 
 
 @rule(aten.scalar_tensor.default)

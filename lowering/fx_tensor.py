@@ -421,4 +421,57 @@ def _gather(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var, **kw: A
     return b.reshape(g, shape)
 
 
+def _index_put_ok(node: torch.fx.Node) -> bool:
+    """One indexed dim, by a 1-D integer tensor, replacing (not accumulating)."""
+    indices = node.args[1]
+    acc = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    idx = [i for i in indices if i is not None]
+    if acc or len(idx) != 1 or not isinstance(idx[0], torch.fx.Node):
+        return False
+    v = meta_val(idx[0])
+    return (
+        isinstance(v, torch.Tensor)
+        and v.dim() == 1
+        and not v.dtype.is_floating_point
+        and (v.dtype != torch.bool)
+    )
+
+
+@rule(aten.index_put.default, when=_index_put_ok)
+def _index_put(
+    b: Builder, node: torch.fx.Node, x: Var, indices: Any, values: Any, accumulate: bool = False
+) -> Var:
+    """``x[..., idx, ...] = values`` along the one indexed dim (a static KV cache's update at
+    ``cache_position``), without a scatter: row ``j`` of that dim takes the row of ``values``
+    whose index is ``j`` (matches of an iota against ``idx``, their argmax, a row gather), else
+    keeps ``x``'s. Negative indices count from the end; of repeated indices the first wins."""
+    shape, dt = result(node)
+    r = len(shape)
+    d = next(i for i, t in enumerate(indices) if t is not None)
+    n, q = shape[d], indices[d].shape[0]
+    perm = (d, *[i for i in range(r) if i != d])
+    inv = tuple(int(i) for i in np.argsort(perm))
+    width = math.prod(shape) // n if n else 0
+    vals = operand(b, values, tuple(q if i == d else s for i, s in enumerate(shape)), dt)
+    if isinstance(vals, Lit):
+        vals = b.full(tuple(q if i == d else s for i, s in enumerate(shape)), vals.value, dt)
+    xt = b.reshape(b.transpose(x, perm), (n, width))
+    vt = b.reshape(b.transpose(vals, perm), (q, width))
+    idx = convert(b, indices[d], "int32")
+    neg = b.elementwise("lt", [idx, Lit(0, "int32")], (q,), "bool")
+    wrapped = ew_raw(b, "add", [idx, n], (q,), "int32")
+    idx = b.elementwise("select_n", [neg, idx, wrapped], (q,), "int32")
+    rows = b.const(np.arange(n, dtype=np.int32).reshape(n, 1), "int32")
+    hit = b.elementwise(
+        "eq", [bcast(b, rows, (n, q)), bcast(b, b.reshape(idx, (1, q)), (n, q))], (n, q), "bool"
+    )
+    hit = convert(b, hit, "float32")
+    k = _reduce(b, hit, "argmax", (1,), False, "int32")
+    most = _reduce(b, hit, "max", (1,), True, "float32")
+    some = b.elementwise("gt", [most, Lit(0.0, "float32")], (n, 1), "bool")
+    g = b.emit("gather", [vt, k], (n, width), dt, mode="clip")
+    out = b.elementwise("select_n", [bcast(b, some, (n, width)), xt, g], (n, width), dt)
+    return b.transpose(b.reshape(out, tuple(shape[i] for i in perm)), inv)
+
+
 torch_import.finish(__name__)  # see lowering.torch_import

@@ -376,3 +376,49 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
 )
 def test_opinfo_regressions(name, fn):
     _check(fn, _rand((5, 65), torch.float32, 20), _rand((5, 65), torch.float32, 21) + 0.1)
+
+
+def test_filled_tensors_are_one_broadcast_scalar_not_a_constant_tensor():
+    # torch.full / zeros_like / ones_like (attention masks) used to become constant tensors of
+    # their full size, copied into device memory and read back by every kernel
+    def f(x):
+        m = torch.full((x.shape[0], x.shape[1]), float("-inf"))
+        return torch.maximum(x, m) + torch.zeros_like(x) * 3 + torch.ones_like(x)
+
+    x = _rand((64, 300), torch.float32)
+    tb.reset_fallback_stats()
+    _check(f, x)
+    (k,) = tb.compiled_kernels()
+    assert all(arr.size == 1 for _, arr in k.graph.consts), [a.shape for _, a in k.graph.consts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos", [[4, 5, 6], [0, 15, -2], [9]])
+def test_index_put_along_one_dim_is_a_kv_cache_update(dtype, pos):
+    # a static KV cache's update (transformers' StaticCache: index_copy_ at cache_position)
+    # became aten.index_put and ran on the CPU
+    cache = _rand((1, 2, 16, 64), dtype)
+    v = _rand((1, 2, len(pos), 64), dtype)
+    idx = torch.tensor(pos)
+
+    def put(c, i, x):
+        return torch.ops.aten.index_put.default(c, [None, None, i], x) * 1
+
+    got = _check(put, cache, idx, v)
+    torch.testing.assert_close(got, put(cache, idx, v), atol=0, rtol=0)  # moved, not computed
+    if min(pos) >= 0:
+
+        def copy(c, i, x):
+            c = c.clone()
+            c.index_copy_(2, i, x)
+            return c
+
+        _check(copy, cache, idx, v)
+
+
+def test_index_put_that_accumulates_runs_on_the_cpu():
+    def f(c, i, x):
+        return torch.ops.aten.index_put.default(c, [i], x, True)
+
+    _check(f, torch.zeros(8, 64), torch.tensor([1, 1, 3]), torch.ones(3, 64), fallback_ok=True)
+    assert tb.fallback_stats().get("aten.index_put.default", 0) >= 1

@@ -454,3 +454,26 @@ def test_complex_on_spyre_is_a_type_error_not_a_crash():
     with pytest.raises(TypeError, match="not supported on the card"):
         torch.randn(4, dtype=torch.complex64).to("spyre")
     assert (x * 2).cpu().shape == (8,)  # the device is still usable
+
+
+def test_plain_torch_compile_on_spyre_tensors_runs_on_the_card():
+    # torch-spyre's users write torch.compile(model) with no backend=: Inductor (the default)
+    # has no code generator for the card; graphs of spyre tensors go to our backend instead
+    from torch_bridge import backend as tb
+
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    m = m.eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        want = m(x)
+        got = torch.compile(m.to("spyre"))(x.to("spyre"))
+    assert got.device.type == "spyre"
+    assert tb.compile_stats()["graphs"] == 1 and tb.fallback_stats() == {}
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    # graphs of CPU tensors still go to Inductor
+    cpu = torch.compile(lambda a: a * 2 + 1)(torch.ones(3))
+    torch.testing.assert_close(cpu, torch.full((3,), 3.0))
+    assert tb.compile_stats()["graphs"] == 1

@@ -393,7 +393,34 @@ def register() -> None:
         fb.fallback(eager.fallback, k)
         _patch_storage()
         _patch_printing()
+        _route_inductor()
         _registered = True
+
+
+def _on_spyre(inputs: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == NAME for t in inputs)
+
+
+def _route_inductor() -> None:
+    """``torch.compile(fn)`` with no ``backend=`` (Inductor, the default) on spyre tensors
+    compiles through our backend: Inductor has no code generator for the card, so the graph
+    Dynamo hands it is given to ``torch_bridge.backend.spyre_backend`` instead when any of its
+    inputs (parameters included) is on spyre. Graphs of CPU or CUDA tensors still go to
+    Inductor. Inductor's ``mode`` and ``options`` do not apply to the card."""
+    cls = torch._TorchCompileInductorWrapper
+    inner = cls.__call__
+    if getattr(inner, "_spyre_routed", False):
+        return
+
+    def __call__(self: Any, model_: Any, inputs_: Any, **kwargs: Any) -> Any:
+        if _on_spyre(inputs_):
+            from .backend import spyre_backend
+
+            return spyre_backend(model_, inputs_)
+        return inner(self, model_, inputs_, **kwargs)
+
+    __call__._spyre_routed = True  # type: ignore[attr-defined]
+    cls.__call__ = __call__
 
 
 def _autoload() -> None:

@@ -50,7 +50,7 @@ from torch_bridge import kernels as tk
 
 from . import eqx_gpt2
 
-__all__ = ["MODELS", "JAX_MODELS", "bench_models", "run_one"]
+__all__ = ["MODELS", "JAX_MODELS", "bench_models", "format_models", "format_table", "run_one"]
 
 
 def _gpt2(layers: int | None, tiny: bool) -> Any:
@@ -397,12 +397,19 @@ def format_models(res: dict[str, dict[str, Any]]) -> str:
         ("cosine", "cosine", "{:.5f}"),
         ("max err", "max_abs_err", "{:.3g}"),
     )
-    lines = ["model".ljust(20) + "".join(h.rjust(14) for h, _, _ in cols)]
+    return format_table(res, cols)
+
+
+def format_table(
+    res: dict[str, dict[str, Any]], cols: tuple[tuple[str, str, str], ...], width: int = 14
+) -> str:
+    """One row per model: ``cols`` are (heading, key, format); a failed model shows its error."""
+    lines = ["model".ljust(20) + "".join(h.rjust(width) for h, _, _ in cols)]
     for name, r in res.items():
         if "error" in r:
             lines.append(f"{name:<20}  error: {r['error']}")
             continue
-        lines.append(f"{name:<20}" + "".join(f.format(r[k]).rjust(14) for _, k, f in cols))
+        lines.append(f"{name:<20}" + "".join(f.format(r[k]).rjust(width) for _, k, f in cols))
     return "\n".join(lines)
 
 

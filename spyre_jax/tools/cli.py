@@ -61,6 +61,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "serve":
+        from . import bench_serve
+
+        names = args.models.split(",") if args.models else None
+        res = bench_serve.bench_serve(names, layers=args.layers, seq=args.seq, tokens=args.tokens)
+        print(json.dumps(res) if args.json else bench_serve.format_serve(res))
+        return 0
     if args.which == "models":
         from . import bench_models
 
@@ -125,13 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
     )
     pb = sub.add_parser("bench", help="benchmarks")
-    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch", "models"])
+    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch", "models", "serve"])
     pb.add_argument("--json", action="store_true", help="print one JSON object")
     pb.add_argument("--reps", type=int, default=None, help="repetitions (default 5; models 1)")
     pb.add_argument("--models", default="", help="models: comma-separated names (default all)")
     pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
     pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
-    pb.add_argument("--seq", type=int, default=128, help="models: prompt length")
+    pb.add_argument(
+        "--seq", type=int, default=None, help="models, serve: prompt length (128; serve 32)"
+    )
+    pb.add_argument("--tokens", type=int, default=16, help="serve: new tokens (default 16)")
     pf = sub.add_parser(
         "fuzz", help="random programs through JAX, torch and the card: fuzz --examples N"
     )
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
         args.reps = 1 if args.which == "models" else 5
+    if getattr(args, "seq", 0) is None:
+        args.seq = 32 if args.which == "serve" else 128
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

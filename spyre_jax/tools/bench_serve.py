@@ -1,0 +1,139 @@
+"""``spyre-jax bench serve``: greedy decoding through ``torch.compile(backend="spyre")``.
+
+For each model (a 2-layer Llama of width 128, and the Llama-3.2-1B configuration of ``bench
+models``; random weights), ``model.generate()`` runs greedy decoding of ``--tokens`` new tokens
+after a ``--seq``-token prompt with the static KV cache (``cache_implementation="static"``: one
+prefill kernel and one decode kernel, whatever the position), three ways: fp32 eager on the CPU
+(the reference tokens and wall time), and fp16 with ``model.forward`` compiled for the card, once
+cold (compiles included) and once warm. Reported per model: the simulated prefill time and time
+per decoded token (the card kernels' simulated times, from ``cost_analysis()``), tokens per
+second on the card, the simulation's wall time per token (warm) beside eager CPU's, kernels
+compiled, CPU fallbacks, and how many of the new tokens equal the fp32 reference's.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import torch
+
+from torch_bridge import backend as tb
+
+from .bench_models import _llama_1b, format_table
+
+__all__ = ["SERVE_MODELS", "bench_serve", "format_serve"]
+
+
+def _llama_tiny(layers: int | None) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers or 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+#: name -> builder(layers)
+SERVE_MODELS = {
+    "llama-tiny": _llama_tiny,
+    "llama-3.2-1b": lambda layers: _llama_1b(layers, False),
+}
+
+
+def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+    t = time.perf_counter()
+    out = model.generate(
+        ids,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :], time.perf_counter() - t
+
+
+def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[str, Any]:
+    """One model: the figures :func:`bench_serve` reports."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = SERVE_MODELS[name](layers).eval()
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    res: dict[str, Any] = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+        "prompt": seq,
+        "new_tokens": tokens,
+    }
+    with torch.no_grad():
+        want, eager_s = _generate(model, ids, tokens)
+        model = model.half()
+        gc.collect()
+        torch._dynamo.reset()
+        tb.reset_fallback_stats()
+        model.forward = torch.compile(model.forward, backend="spyre", dynamic=False)
+        got, cold_s = _generate(model, ids, tokens)
+        got2, warm_s = _generate(model, ids, tokens)
+    prefill, decode = [], []
+    for k in tb.compiled_kernels():
+        # the prompt's kernel takes the token ids of the whole prompt; a decode step's, one
+        ids_in = [v for v in k.graph.inputs if v.dtype == "int32" and v.shape == (1, seq)]
+        (prefill if ids_in and seq > 1 else decode).append(k.cost_analysis()["sim_time_us"])
+    decode_us = max(decode, default=float("nan"))
+    res.update(
+        kernels=len(prefill) + len(decode),
+        sim_prefill_us=max(prefill, default=float("nan")),
+        sim_decode_us_per_token=decode_us,
+        card_tokens_per_s=1e6 / decode_us if decode else float("nan"),
+        cold_generate_s=cold_s,
+        sim_wall_s_per_token=warm_s / tokens,
+        eager_cpu_s_per_token=eager_s / tokens,
+        fallbacks=sum(tb.fallback_stats().values()),
+        tokens_equal=int((got == want[: len(got)]).sum()),
+        runs_agree=bool(torch.equal(got, got2)),
+    )
+    res["sim_over_eager"] = res["sim_wall_s_per_token"] / res["eager_cpu_s_per_token"]
+    return res
+
+
+def bench_serve(
+    names: list[str] | None = None, *, layers: int | None = None, seq: int = 32, tokens: int = 16
+) -> dict[str, dict[str, Any]]:
+    """Every model of :data:`SERVE_MODELS` (or ``names``), one after another."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names or list(SERVE_MODELS):
+        if name not in SERVE_MODELS:
+            raise ValueError(
+                f"bench serve: unknown model {name!r}; known: {', '.join(SERVE_MODELS)}"
+            )
+        out[name] = run_serve(name, layers=layers, seq=seq, tokens=tokens)
+        gc.collect()
+    return out
+
+
+def format_serve(res: dict[str, dict[str, Any]]) -> str:
+    """A table of :func:`bench_serve`'s result."""
+    cols = (
+        ("params", "params", "{:,.0f}"),
+        ("prefill us", "sim_prefill_us", "{:.0f}"),
+        ("decode us/tok", "sim_decode_us_per_token", "{:.0f}"),
+        ("card tok/s", "card_tokens_per_s", "{:.1f}"),
+        ("sim s/tok", "sim_wall_s_per_token", "{:.3f}"),
+        ("eager s/tok", "eager_cpu_s_per_token", "{:.4f}"),
+        ("ratio", "sim_over_eager", "{:.1f}"),
+        ("kernels", "kernels", "{}"),
+        ("fallbacks", "fallbacks", "{}"),
+        ("tokens equal", "tokens_equal", "{}"),
+    )
+    return format_table(res, cols, width=15)
