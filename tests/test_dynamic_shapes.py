@@ -102,3 +102,35 @@ def test_generate_with_the_dynamic_cache_gives_eager_tokens():
     assert torch.equal(got, want), (got, want)
     assert _dynamic_graphs(), "the decode steps never reached a graph of symbolic sizes"
     assert tb.fallback_stats() == {}
+
+
+def test_a_second_prompt_length_compiles_at_most_two_kernels():
+    # the static KV cache: a prompt of a new length needs its prefill kernel and, since the
+    # cache is sized prompt + new tokens, the decode kernel of that cache; nothing per step
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(2)
+    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in (7, 11)]
+        want = [model.generate(p, **kw) for p in prompts]
+        model.forward = torch.compile(model.forward, backend="spyre")
+        counts = []
+        for p, w in zip(prompts, want, strict=True):
+            before = tb.compile_stats()["graphs"]
+            assert torch.equal(model.generate(p, **kw), w)
+            counts.append(tb.compile_stats()["graphs"] - before)
+    assert counts[0] == 2 and counts[1] <= 2, counts
+    assert tb.fallback_stats() == {}

@@ -8,7 +8,9 @@ prefill kernel and one decode kernel, whatever the position), three ways: fp32 e
 cold (compiles included) and once warm. Reported per model: the simulated prefill time and time
 per decoded token (the card kernels' simulated times, from ``cost_analysis()``), tokens per
 second on the card, the simulation's wall time per token (warm) beside eager CPU's, kernels
-compiled, CPU fallbacks, and how many of the new tokens equal the fp32 reference's.
+compiled, CPU fallbacks, how many of the new tokens equal the fp32 reference's, and the error of
+the logits (largest absolute error over the reference's largest logit) of the prefill step and the
+worst decode step, while the tokens agree, with their ratio.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch_bridge import backend as tb
 
 from .bench_models import _llama_1b, format_table
 
-__all__ = ["SERVE_MODELS", "bench_serve", "format_serve"]
+__all__ = ["SERVE_MODELS", "bench_serve", "format_serve", "step_errors"]
 
 
 def _llama_tiny(layers: int | None) -> Any:
@@ -48,7 +50,8 @@ SERVE_MODELS = {
 }
 
 
-def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float, list]:
+    """Greedy decoding of ``n`` tokens: the new tokens, the wall time, each step's logits."""
     t = time.perf_counter()
     out = model.generate(
         ids,
@@ -57,8 +60,26 @@ def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, floa
         do_sample=False,
         cache_implementation="static",
         pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return out[0, ids.shape[1] :], time.perf_counter() - t
+    wall = time.perf_counter() - t
+    return out.sequences[0, ids.shape[1] :], wall, [x[0].float() for x in out.logits]
+
+
+def step_errors(got: list, want: list, same: int) -> list[float]:
+    """Each step's logits error against the reference, scaled by the reference's largest
+    logit, over the first ``same`` steps (where both decoded the same tokens so far)."""
+    return [
+        float((g - w).abs().max() / w.abs().max())
+        for g, w in zip(got[:same], want[:same], strict=True)
+    ]
+
+
+def _agreeing(got: torch.Tensor, want: torch.Tensor) -> int:
+    """How many steps saw the same tokens: the first step, and one more per equal token."""
+    diff = (got != want[: len(got)]).nonzero()
+    return len(got) if len(diff) == 0 else int(diff[0, 0]) + 1
 
 
 def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[str, Any]:
@@ -77,14 +98,15 @@ def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[s
         "new_tokens": tokens,
     }
     with torch.no_grad():
-        want, eager_s = _generate(model, ids, tokens)
+        want, eager_s, want_logits = _generate(model, ids, tokens)
         model = model.half()
         gc.collect()
         torch._dynamo.reset()
         tb.reset_fallback_stats()
         model.forward = torch.compile(model.forward, backend="spyre", dynamic=False)
-        got, cold_s = _generate(model, ids, tokens)
-        got2, warm_s = _generate(model, ids, tokens)
+        got, cold_s, got_logits = _generate(model, ids, tokens)
+        got2, warm_s, _ = _generate(model, ids, tokens)
+    errs = step_errors(got_logits, want_logits, _agreeing(got, want))
     prefill, decode = [], []
     for k in tb.compiled_kernels():
         # the prompt's kernel takes the token ids of the whole prompt; a decode step's, one
@@ -102,7 +124,10 @@ def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[s
         fallbacks=sum(tb.fallback_stats().values()),
         tokens_equal=int((got == want[: len(got)]).sum()),
         runs_agree=bool(torch.equal(got, got2)),
+        prefill_logits_err=errs[0],
+        decode_logits_err=max(errs[1:], default=float("nan")),
     )
+    res["decode_over_prefill_err"] = res["decode_logits_err"] / res["prefill_logits_err"]
     res["sim_over_eager"] = res["sim_wall_s_per_token"] / res["eager_cpu_s_per_token"]
     return res
 
@@ -135,5 +160,6 @@ def format_serve(res: dict[str, dict[str, Any]]) -> str:
         ("kernels", "kernels", "{}"),
         ("fallbacks", "fallbacks", "{}"),
         ("tokens equal", "tokens_equal", "{}"),
+        ("decode/prefill err", "decode_over_prefill_err", "{:.2f}"),
     )
     return format_table(res, cols, width=15)
