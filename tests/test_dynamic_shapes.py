@@ -77,9 +77,8 @@ def test_mark_dynamic_on_a_spyre_tensor():
             torch.testing.assert_close(got.cpu(), f(x), atol=1e-4, rtol=1e-4)
 
 
-def test_generate_with_the_dynamic_cache_gives_eager_tokens():
-    # regression: the second decode step failed with "graph input sym_size_int_1 is not a
-    # tensor" (Dynamo marks the KV length dynamic)
+def _tiny_llama():
+    """A one-layer Llama of width 64 (random weights), with fresh Dynamo and backend counters."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch._dynamo.reset()
@@ -93,7 +92,13 @@ def test_generate_with_the_dynamic_cache_gives_eager_tokens():
         num_key_value_heads=2,
         vocab_size=300,
     )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_generate_with_the_dynamic_cache_gives_eager_tokens():
+    # regression: the second decode step failed with "graph input sym_size_int_1 is not a
+    # tensor" (Dynamo marks the KV length dynamic)
+    model = _tiny_llama()
     ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=5, do_sample=False)
@@ -107,20 +112,7 @@ def test_generate_with_the_dynamic_cache_gives_eager_tokens():
 def test_a_second_prompt_length_compiles_at_most_two_kernels():
     # the static KV cache: a prompt of a new length needs its prefill kernel and, since the
     # cache is sized prompt + new tokens, the decode kernel of that cache; nothing per step
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch._dynamo.reset()
-    tb.reset_fallback_stats()
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = _tiny_llama()
     gen = torch.Generator().manual_seed(2)
     kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
     with torch.no_grad():
