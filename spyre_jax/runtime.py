@@ -195,4 +195,7 @@ def device_put(x: Any, device: Device | None = None) -> Array:
     host = np.asarray(x)
     rt = runtime()
     layout = layout_for(host.shape, dt, rt.card.stick_bytes)
-    return Array(copy_in(host, layout, rt=rt, tag="device_put"))
+    # a JAX array never changes: where its bytes are already in the card's layout the card may
+    # keep them (no second copy of a model's weights on the host); a NumPy array is copied
+    immutable = isinstance(x, jax.Array)
+    return Array(copy_in(host, layout, rt=rt, tag="device_put", alias=immutable))

@@ -121,3 +121,16 @@ def test_a_host_payload_is_aligned_and_adopted_by_the_card(fresh_card):
     after = a.buffer.payload()  # the launch made it a card array over the same bytes
     assert isinstance(after, jax.Array)
     assert after.unsafe_buffer_pointer() == before.ctypes.data
+
+
+def test_device_put_of_a_jax_array_keeps_its_bytes():
+    # a JAX array never changes, so the card keeps its bytes (an equinox model's weights are
+    # not held twice on the host); a NumPy array is still copied (test_scale: owns its bytes)
+    x = jnp.arange(4 * 64, dtype=jnp.float16).reshape(4, 64)
+    a = spyre_jax.device_put(x)
+    assert a.buffer.payload().ctypes.data == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(spyre_jax.jit(lambda v: v + 1)(a)), np.asarray(x) + 1)
+    del x  # the card's copy keeps the bytes alive
+    np.testing.assert_array_equal(np.asarray(a)[1, :3], np.array([64, 65, 66], np.float16))
+    padded = spyre_jax.device_put(jnp.ones((4, 100), jnp.float16))  # not the card's layout
+    assert np.asarray(padded).shape == (4, 100)
