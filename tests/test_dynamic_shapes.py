@@ -126,3 +126,19 @@ def test_a_second_prompt_length_compiles_at_most_two_kernels():
             counts.append(tb.compile_stats()["graphs"] - before)
     assert counts[0] == 2 and counts[1] <= 2, counts
     assert tb.fallback_stats() == {}
+
+
+def test_random_ops_are_not_folded_into_constants():
+    # arithmetic on the sizes folds into constants; a random draw of a size-only shape must not
+    # (each call draws anew)
+    torch._dynamo.reset()
+
+    def f(x):
+        return x + torch.rand(x.shape[0], x.shape[1])
+
+    g = torch.compile(f, backend="spyre", dynamic=True)
+    x = torch.zeros(5, 64)
+    with torch.no_grad():
+        a, b = g(x), g(x)
+    assert a.shape == (5, 64) and not torch.equal(a, b)
+    assert float(a.min()) >= 0.0 and float(a.max()) < 1.0

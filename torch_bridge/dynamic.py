@@ -130,6 +130,15 @@ class _Specialized:
 FOLD_MAX_ELEMENTS = 1 << 16
 
 
+def _foldable(target: Any) -> bool:
+    """Not a random op (each call draws anew) nor an uninitialized allocation."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags and target not in (
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+    )
+
+
 def _fold_constants(gm: torch.fx.GraphModule) -> None:
     """Evaluate what no input reaches (arithmetic on the sizes, now numbers: the ``** 0.5`` of
     a head width, ``arange`` of a length) into constants of the graph, so that the scalar
@@ -145,7 +154,7 @@ def _fold_constants(gm: torch.fx.GraphModule) -> None:
         if n.op != "call_function":
             continue
         deps = n.all_input_nodes
-        if not all(d in values for d in deps) or n.target is torch.ops.aten.empty.memory_format:
+        if not all(d in values for d in deps) or not _foldable(n.target):
             continue
         args = torch.fx.node.map_arg(n.args, lambda d: values[d])
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda d: values[d])
