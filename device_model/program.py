@@ -32,6 +32,9 @@ log = logging.getLogger("device_model")
 #: kernels of more stages than this run stage by stage (see :func:`build_runner`)
 STAGED_MIN_STAGES = 24
 
+#: a staged run lets at most this many stages be dispatched ahead of the one that runs
+INFLIGHT_STAGES = 8
+
 #: jitted stage programs by structural signature, shared by every kernel (LRU, this many)
 STAGE_CACHE_SIZE = 4096
 _stage_cache: OrderedDict[Any, Callable[..., jax.Array]] = OrderedDict()
@@ -206,6 +209,10 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
             env[out] = fn(*[lookup(env, n) for n in reads])
             if new and bar is not None:
                 release_free_memory()
+            elif i % INFLIGHT_STAGES == INFLIGHT_STAGES - 1:
+                # JAX dispatches ahead and each dispatched stage holds its output already:
+                # without a wait, a warm run would hold every intermediate of the model at once
+                env[out].block_until_ready()
             for name in frees[i]:  # dead after its last reader: its memory goes now
                 env.pop(name, None)
             if bar is not None:
