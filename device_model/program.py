@@ -48,7 +48,11 @@ def _malloc_trim() -> Callable[[], None]:
     except (OSError, AttributeError):
         return lambda: None
     trim.argtypes = [ctypes.c_size_t]
-    return lambda: None if trim(0) is None else None
+
+    def release() -> None:
+        trim(0)
+
+    return release
 
 
 #: after each new stage program compiles, the heap's free pages go back to the OS: XLA's
