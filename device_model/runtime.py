@@ -168,6 +168,7 @@ class DeviceBuffer:
         "nbytes",
         "version",
         "shares_host",
+        "readers",
         "_fin",
         "_base",
         "_view",
@@ -183,6 +184,9 @@ class DeviceBuffer:
         #: the payload is memory the host also writes (a view, ``copy_in(alias=True)``): a
         #: launch reading it finishes before the host goes on
         self.shares_host = False
+        #: where its owner tracks launches in flight that read its host bytes (a list the
+        #: owner waits on before the host touches them), or None: such a launch then waits
+        self.readers: list[Any] | None = None
         self._base: DeviceBuffer | None = None
         self._view: Any = None
         self._fin = weakref.finalize(self, _free_quiet, rt, addr)
@@ -207,12 +211,16 @@ class DeviceBuffer:
         return buf
 
     @classmethod
-    def view(cls, base: DeviceBuffer, layout: TensorLayout, payload: Any) -> DeviceBuffer:
+    def view(
+        cls, base: DeviceBuffer, layout: TensorLayout, payload: Any, *, shares_host: bool = True
+    ) -> DeviceBuffer:
         """``payload`` (an array over ``base``'s bytes, in ``layout``) as a buffer of its own
-        that shares ``base``'s address: steps that read it read ``base``."""
+        that shares ``base``'s address: steps that read it read ``base``. ``shares_host``: the
+        payload is memory the host writes (not an immutable card array)."""
         v = cls.__new__(cls)
         v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
-        v._base, v._view, v.shares_host = base, payload, True
+        v._base, v._view, v.shares_host = base, payload, shares_host
+        v.readers = None
         v._fin = weakref.finalize(v, _no_op)
         return v
 
@@ -525,6 +533,10 @@ class Executable:
         return f"<spyre Executable {self.kernel.name}: {self.num_inputs} args>"
 
 
+#: a buffer's record of launches in flight that read it drops the finished ones past this many
+_READERS_PRUNE = 64
+
+
 def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
     """Run ``exe``'s recipe once on the current stream; one output buffer per kernel output.
 
@@ -587,8 +599,15 @@ def _run_kernel(
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
         results = runner(*payloads)
-        if any(b.shares_host for b in bufs):  # the host may write those bytes next
-            exe._block(results)
+        for b in bufs:  # the host may write those bytes next
+            if b.shares_host:
+                rd = b._base.readers if b._base is not None else None
+                if rd is None:  # nobody waits for it before writing: the launch does
+                    exe._block(results)
+                    break
+                if len(rd) >= _READERS_PRUNE:
+                    rd[:] = [r for r in rd if not r.is_ready()]
+                rd.extend(results)
     except BaseException:
         for a in addrs:
             rt.memory.free(a)

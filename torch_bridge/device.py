@@ -50,6 +50,7 @@ from .storage import (
     region,
     set_storage,
     storage_nbytes,
+    wait_all,
 )
 from .storage import device as spyre_device
 
@@ -307,8 +308,10 @@ class _DeviceContext:
 
 
 def _synchronize(device: Any = None) -> None:
-    """Wait (in simulated time too) for all work on the card: ``spyre_jax.synchronize()``."""
+    """Wait (in simulated time too) for all work on the card: ``spyre_jax.synchronize()``, and
+    for the simulation's launches still in flight."""
     card_runtime.synchronize()
+    wait_all()
 
 
 def _memory_stats(device: Any = None) -> dict[str, int]:

@@ -58,16 +58,26 @@ aten = torch.ops.aten
 
 
 class _Region:
-    """One torch storage's device buffer, its payload and a CPU tensor over the payload."""
+    """One torch storage's device buffer, its payload and a CPU tensor over the payload.
 
-    __slots__ = ("buf", "payload", "host", "views")
+    A launch's result is *pending* until the host needs its bytes: the region keeps the card
+    array the kernel made (``pending``) and the next kernel reading the tensor takes that array
+    as it is, so a chain of eager ops never waits for the card. The first host access
+    (:attr:`payload`, :attr:`host`: a print, a CPU kernel, a copy) converts it to torch's bytes.
+    ``readers`` are results of launches still in flight that read the host bytes: host access
+    waits for them first (a CPU write never races a kernel's read)."""
 
-    def __init__(self, buf: DeviceBuffer, payload: np.ndarray):
+    __slots__ = ("buf", "_payload", "_host", "views", "pending", "readers")
+
+    def __init__(self, buf: DeviceBuffer, payload: np.ndarray | None, pending: Any = None):
         self.buf = buf
-        self.payload = payload
-        self.host = torch.from_numpy(payload)  # a CPU uint8 tensor over the same bytes
-        #: (offset, shape, layout) -> (buf.version, view): the card buffers of its tensors
+        self._payload = payload
+        self._host: torch.Tensor | None = None
+        #: (offset, layout) -> (buf.version, view): the card buffers of its tensors
         self.views: dict[tuple, tuple[int, DeviceBuffer]] = {}
+        #: (card array, its layout, torch dtype, strides or None) of a result not yet on the host
+        self.pending = pending
+        self.readers: list[Any] = []
 
     @property
     def rt(self) -> Runtime:
@@ -77,9 +87,59 @@ class _Region:
     def base(self) -> int:
         return self.buf.addr
 
+    @property
+    def nbytes(self) -> int:
+        if self.pending is not None:
+            return self.pending[4]
+        return self._payload.nbytes
+
+    def device_bytes(self) -> np.ndarray:
+        """The storage's bytes for a kernel to read (converted from a pending result; kernels
+        in flight that read them too are not waited for)."""
+        if self.pending is not None:
+            with _lock:
+                if self.pending is not None:
+                    arr, lay, dtype, stride, _ = self.pending
+                    self._payload = _torch_bytes(np.asarray(arr), lay, dtype, stride)
+                    self.pending = None
+                    self.views.clear()
+                    self.buf.store(self._payload)
+        return self._payload
+
+    def settle(self) -> None:
+        """Wait for the launches in flight that read the host bytes."""
+        readers = self.readers  # the list the device buffer shares: emptied in place
+        while readers:
+            readers.pop().block_until_ready()
+
+    @property
+    def payload(self) -> np.ndarray:
+        """The bytes, for the host (waits for the card where it must)."""
+        if self.readers:
+            self.settle()
+        return self.device_bytes()
+
+    @property
+    def host(self) -> torch.Tensor:
+        p = self.payload
+        if self._host is None:
+            self._host = torch.from_numpy(p)  # a CPU uint8 tensor over the same bytes
+        return self._host
+
 
 #: storage data pointer -> its region (live torch storages only)
 _regions: dict[int, _Region] = {}
+
+
+def wait_all() -> None:
+    """Wait for every launch in flight: each pending result and each read of host bytes."""
+    with _lock:
+        regions = list(_regions.values())
+    for r in regions:
+        pend = r.pending
+        if pend is not None:
+            pend[0].block_until_ready()
+        r.settle()
 
 
 def device() -> torch.device:
@@ -115,25 +175,32 @@ def _release(ptr: int, region: _Region) -> None:
     region.buf.delete()
 
 
-def _storage_at(buf: DeviceBuffer, ptr: int, payload: np.ndarray) -> torch.UntypedStorage:
-    region = _Region(buf, payload)
-    buf.store(payload)
+def _storage_at(
+    buf: DeviceBuffer, ptr: int, payload: np.ndarray | None, pending: Any = None
+) -> torch.UntypedStorage:
+    region = _Region(buf, payload, pending)
+    if payload is not None:
+        buf.store(payload)
+    buf.readers = region.readers  # launches reading a view of it record themselves there
     with _lock:
         _regions[ptr] = region
-    st = torch._C._construct_storage_from_data_pointer(ptr, device(), payload.nbytes)
+    st = torch._C._construct_storage_from_data_pointer(ptr, device(), region.nbytes)
     fin = weakref.finalize(st, _release, ptr, region)
     fin.atexit = False
     return st
 
 
-def new_storage(nbytes: int, payload: np.ndarray | None = None) -> torch.UntypedStorage:
-    """A fresh storage of ``nbytes`` in device memory (zero-filled unless ``payload`` given)."""
+def new_storage(
+    nbytes: int, payload: np.ndarray | None = None, pending: Any = None
+) -> torch.UntypedStorage:
+    """A fresh storage of ``nbytes`` in device memory (zero-filled unless ``payload`` or a
+    pending result is given)."""
     rt = runtime()
     with rt.lock, _lock:
         buf, ptr = _alloc(rt, nbytes)
-        if payload is None:
+        if payload is None and pending is None:
             payload = np.zeros(nbytes, np.uint8)
-        return _storage_at(buf, ptr, payload)
+        return _storage_at(buf, ptr, payload, pending)
 
 
 def region(t: torch.Tensor | torch.UntypedStorage) -> _Region:
@@ -355,6 +422,24 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     ``layout`` (contiguous, the card's dtype, rows a whole number of sticks): no copy and no
     second allocation, so a model's weights live once in device memory. Cached on the storage
     until its bytes are written (the buffer's ``version``); None when a re-layout is needed."""
+    pend = r.pending
+    if pend is not None:
+        if (
+            pend[1] == layout
+            and t.storage_offset() == 0
+            and pend[2] == t.dtype
+            and pend[3] is None
+            and tuple(t.shape) == layout.shape
+            and t.is_contiguous()
+        ):  # the launch's result as it is: no wait, no copy
+            key = (0, layout)
+            hit = r.views.get(key)
+            if hit is not None and hit[0] == r.buf.version:
+                return hit[1]
+            view = DeviceBuffer.view(r.buf, layout, pend[0], shares_host=False)
+            r.views[key] = (r.buf.version, view)
+            return view
+        r.device_bytes()
     npd = np_dtype(layout.dtype)
     if (
         not layout.shape
@@ -371,9 +456,10 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
         return hit[1]
     start = t.storage_offset() * t.element_size()
     n = math.prod(layout.device_shape) * npd.itemsize
-    if start + n > r.payload.nbytes:
+    payload = r.device_bytes()
+    if start + n > payload.nbytes:
         return None
-    data = r.payload[start : start + n].view(npd).reshape(layout.device_shape)
+    data = payload[start : start + n].view(npd).reshape(layout.device_shape)
     view = DeviceBuffer.view(r.buf, layout, data)
     r.views[key] = (r.buf.version, view)
     return view
@@ -438,31 +524,18 @@ def from_card_buffer(buf: DeviceBuffer, meta: Any = None) -> torch.Tensor:
 def from_card(
     buf: DeviceBuffer, dtype: torch.dtype | None, stride: tuple[int, ...] | None
 ) -> torch.Tensor:
-    """:func:`from_card_buffer` with the torch dtype and strides given."""
+    """:func:`from_card_buffer` with the torch dtype and strides given. A card array result
+    stays pending (the host does not wait for it) until the host needs its bytes."""
     lay = buf.layout
     shape = lay.shape
-    data = np.asarray(buf.payload())
-    if not shape:
-        host = data[:1].reshape(())
-    elif data.shape[-1] != shape[-1]:
-        host = data[..., : shape[-1]]
+    dtype = dtype or _TORCH_OF_CARD[lay.dtype]
+    data = buf.payload()
+    st_stride = stride if stride is not None else contig_strides(shape)
+    nbytes = storage_nbytes(shape, st_stride, dtype.itemsize)
+    if isinstance(data, np.ndarray):
+        payload, pending = _torch_bytes(data, lay, dtype, stride), None
     else:
-        host = data
-    have = _TORCH_OF_CARD[lay.dtype]
-    dtype = dtype or have
-    if dtype != have:
-        if dtype == torch.int64:
-            host = host.astype(np.int64)
-        else:  # any other widening torch expects: convert with torch's own rules
-            c = from_host(np.array(host), None).to(dtype)
-            host = c.view(torch.int16).numpy() if dtype == torch.bfloat16 else c.numpy()
-    if stride is None:
-        payload = np.array(host, copy=True).reshape(-1).view(np.uint8)
-        stride = contig_strides(shape)
-    else:
-        isz = host.dtype.itemsize
-        payload = np.zeros(storage_nbytes(shape, stride, isz), np.uint8)
-        np.ndarray(shape, host.dtype, payload, 0, tuple(s * isz for s in stride))[...] = host
+        payload, pending = None, (data, lay, dtype, stride, nbytes)
     rt = buf.rt
     base = buf.addr
     with rt.lock, _lock:
@@ -471,11 +544,38 @@ def from_card(
             and buf.alive
             and base != 0
             and base not in _regions
-            and payload.nbytes <= rt.memory.size_of(base)
+            and nbytes <= rt.memory.size_of(base)
         )
         if fits:  # the buffer's region becomes the storage
-            st = _storage_at(buf, base, payload)
+            st = _storage_at(buf, base, payload, pending)
     if not fits:
-        st = new_storage(payload.nbytes, payload)
+        st = new_storage(nbytes, payload, pending)
         buf.delete()
-    return _tensor_on(st, dtype, shape, stride)
+    return _tensor_on(st, dtype, shape, st_stride)
+
+
+def _torch_bytes(
+    data: np.ndarray, lay: TensorLayout, dtype: torch.dtype, stride: tuple[int, ...] | None
+) -> np.ndarray:
+    """A result in the card's layout (``data``) as a torch storage's flat bytes: the stick
+    padding dropped, widened to ``dtype`` as torch expects, laid out by ``stride`` (None:
+    contiguous)."""
+    shape = lay.shape
+    if not shape:
+        host = data[:1].reshape(())
+    elif data.shape[-1] != shape[-1]:
+        host = data[..., : shape[-1]]
+    else:
+        host = data
+    if dtype != _TORCH_OF_CARD[lay.dtype]:
+        if dtype == torch.int64:
+            host = host.astype(np.int64)
+        else:  # any other widening torch expects: convert with torch's own rules
+            c = from_host(np.array(host), None).to(dtype)
+            host = c.view(torch.int16).numpy() if dtype == torch.bfloat16 else c.numpy()
+    if stride is None:
+        return np.array(host, copy=True).reshape(-1).view(np.uint8)
+    isz = host.dtype.itemsize
+    payload = np.zeros(storage_nbytes(shape, stride, isz), np.uint8)
+    np.ndarray(shape, host.dtype, payload, 0, tuple(s * isz for s in stride))[...] = host
+    return payload
