@@ -403,18 +403,35 @@ def as_card_buffer(t: torch.Tensor, layout: TensorLayout | None = None) -> Devic
     if view is not None:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
         return view
-    host = _card_host(t)
-    data = np.zeros(layout.device_shape, host.dtype)
-    if host.ndim:
-        data[..., : host.shape[-1]] = host
-    else:
-        data[0] = host
+    data = _gathered(r, t, layout)
     buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-operand", payload=data)
     if not t.is_contiguous():
         card_runtime.device_copy(f"relayout {describe(t)}", [r.buf], [buf], layout.nbytes)
     else:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
     return buf
+
+
+def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout) -> Any:
+    """``t`` in ``layout`` as a card array gathered on the card (:mod:`torch_bridge.relayout`)
+    from its pending result or its storage's bytes, so the host does not wait; a read of host
+    bytes is recorded in the region's ``readers``."""
+    from . import relayout  # JAX: loaded with the first launch, never by ``import torch``
+
+    pend = r.pending
+    if pend is not None and pend[2] == t.dtype and pend[3] is None:
+        return relayout.gather(pend[0], ("card", pend[1].shape), t, layout)
+    payload = r.device_bytes()
+    key = ("bytes",)
+    hit = r.views.get(key)
+    if hit is not None and hit[0] == r.buf.version:
+        raw = hit[1]
+    else:
+        raw = relayout.host_bytes(payload)
+        r.views[key] = (r.buf.version, raw)
+    out = relayout.gather(raw, ("bytes", t.dtype), t, layout)
+    r.readers.append(out)
+    return out
 
 
 def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffer | None:
@@ -439,7 +456,7 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
             view = DeviceBuffer.view(r.buf, layout, pend[0], shares_host=False)
             r.views[key] = (r.buf.version, view)
             return view
-        r.device_bytes()
+        return None  # gathered from the pending result (:func:`_gathered`)
     npd = np_dtype(layout.dtype)
     if (
         not layout.shape
@@ -463,17 +480,6 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     view = DeviceBuffer.view(r.buf, layout, data)
     r.views[key] = (r.buf.version, view)
     return view
-
-
-def _card_host(t: torch.Tensor) -> np.ndarray:
-    """The logical values of spyre tensor ``t`` as a (strided, zero-copy where the dtype allows)
-    NumPy array of its card dtype."""
-    al = alias(t)
-    if t.dtype == torch.bfloat16:
-        return al.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.int64:
-        return al.numpy().astype(np.int32)
-    return al.numpy()
 
 
 def dense_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:

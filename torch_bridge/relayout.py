@@ -1,0 +1,107 @@
+"""Re-layouts of spyre tensors on the card: a view's elements gathered into the stick layout a
+launch takes, as a JAX program over the storage's bytes (or over the pending card array of the
+launch that made them), so that a strided view, an int64 tensor or a row that is not a whole
+number of sticks goes to the next kernel without the host waiting for the card.
+
+Imported on the first launch that needs it (``import torch`` must not load JAX): the
+:mod:`torch_bridge.storage` layer calls :func:`gather`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from device_model.layout import TensorLayout, np_dtype
+
+__all__ = ["gather", "host_bytes"]
+
+#: torch dtype -> (bytes per element, how its bytes become the card's values)
+_DECODE: dict[torch.dtype, tuple[int, str]] = {
+    torch.float32: (4, "float32"),
+    torch.float16: (2, "float16"),
+    torch.bfloat16: (2, "bfloat16"),
+    torch.int32: (4, "int32"),
+    torch.int64: (8, "int64"),
+    torch.bool: (1, "bool"),
+}
+
+
+def _decode(raw: jax.Array, dtype: torch.dtype) -> jax.Array:
+    """Flat storage bytes (uint8) -> the storage's elements as the card holds them (int64
+    narrowed to its low 32 bits, as the card's int32)."""
+    isz, kind = _DECODE[dtype]
+    n = raw.shape[0] // isz
+    raw = raw[: n * isz]
+    if kind == "bool":
+        return raw != 0
+    if kind == "int64":
+        words = lax.bitcast_convert_type(raw.reshape(n, 2, 4), jnp.uint32)[:, 0]
+        return lax.bitcast_convert_type(words, jnp.int32)
+    return lax.bitcast_convert_type(raw.reshape(n, isz), jnp.dtype(kind))
+
+
+@functools.lru_cache(maxsize=4096)
+def _program(
+    source: tuple[Any, ...],
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    offset: int,
+    layout: TensorLayout,
+) -> Callable[[jax.Array], jax.Array]:
+    """The jitted gather of one view geometry from one kind of source."""
+    kind = source[0]
+
+    def run(src: jax.Array) -> jax.Array:
+        if kind == "bytes":  # a storage's bytes: ("bytes", torch dtype)
+            flat = _decode(src, source[1])
+        else:  # a pending result in its card layout: ("card", its logical shape)
+            lshape = source[1]
+            vals = src[..., : lshape[-1]] if lshape else src[:1]
+            flat = vals.reshape(-1)
+        if shape:
+            idx = jnp.full(shape, offset, jnp.int32)
+            for k, (n, s) in enumerate(zip(shape, stride, strict=True)):
+                if n > 1 and s:
+                    idx = idx + lax.broadcasted_iota(jnp.int32, shape, k) * s
+            vals = flat[idx]
+        else:
+            vals = flat[offset]
+        vals = vals.astype(np_dtype(layout.dtype))
+        out = jnp.zeros(layout.device_shape, vals.dtype)
+        if not shape:
+            return out.at[0].set(vals)
+        return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
+
+    return jax.jit(run)
+
+
+def host_bytes(payload: np.ndarray) -> jax.Array:
+    """A storage's host bytes as a card array (over the same memory where XLA can alias it)."""
+    return jax.device_put(payload, may_alias=True)
+
+
+def gather(
+    src: jax.Array,
+    source: tuple[Any, ...],
+    t: torch.Tensor,
+    layout: TensorLayout,
+) -> jax.Array:
+    """``t``'s elements (its view geometry over the storage) in ``layout``: a card array.
+
+    ``source``: ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card",
+    shape)`` when it is a pending result of that logical shape in its card layout (contiguous).
+    """
+    shape = tuple(int(s) for s in t.shape)
+    stride = tuple(int(s) if n > 1 else 0 for s, n in zip(t.stride(), shape, strict=True))
+    if math.prod(shape) == 0:
+        raise ValueError("spyre: no elements to gather")
+    return _program(source, shape, stride, int(t.storage_offset()), layout)(src)
