@@ -3,7 +3,7 @@
 Fixtures (found by pytest): ``small_card`` (simulate a card with some fields changed, the
 default card again afterwards) and ``fresh_card`` (a new default card: empty device memory,
 fresh streams, race mode "raise" afterwards). Helpers (``from conftest import ...``): ``rng``,
-``torch_rand``.
+``torch_rand``. Every test starts with no eager size seen to vary (``torch_bridge.buckets``).
 """
 
 from __future__ import annotations
@@ -55,3 +55,13 @@ def fresh_card() -> Iterator[None]:
     spyre_jax.set_card(CardSpec())
     yield
     spyre_jax.set_race_mode("raise")
+
+
+@pytest.fixture(autouse=True)
+def _eager_sizes_forgotten() -> Iterator[None]:
+    """Each test starts with no eager dimension seen to vary (``torch_bridge.buckets``): the
+    compile counts a test asserts do not depend on the tests before it."""
+    from torch_bridge import buckets
+
+    buckets.reset()
+    yield

@@ -44,6 +44,7 @@ from device_model.memory import DeviceOOMError
 from device_model.runtime import launch, runtime
 from lowering.from_fx import RULES, card_dtype, from_fx, supported
 
+from . import buckets
 from . import storage as st
 from .errors import SpyreFallbackWarning
 from .kernels import load
@@ -268,7 +269,7 @@ class _Plan:
     """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
     inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
 
-    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host")
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad")
 
     def __init__(self) -> None:
         self.compiled: Any = None
@@ -279,6 +280,8 @@ class _Plan:
         self.single = True
         self.reason: str | None = None
         self.host = False  # runs on the host silently (no elements to compute)
+        #: on a size bucket's kernel: (the padding, each result's own layout), else None
+        self.pad: tuple[buckets.Padding, list[Any]] | None = None
 
 
 _plans: dict[Any, _Plan] = {}
@@ -324,7 +327,7 @@ def _signature(op: Any, args: tuple, kwargs: dict) -> tuple[list, Any, tuple, tu
                     st.check_same_device(leaves)  # raises torch's device-mismatch error
             if d.type == st.NAME:
                 sig.append(("T", tuple(x.shape), x.dtype))
-                strides.append(tuple(x.stride()))
+                strides.append(_strides(x))
             else:
                 sig.append(("C", tuple(x.shape), x.dtype))
         elif isinstance(x, _Lift):
@@ -350,9 +353,55 @@ def _plan_for(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
     with _lock:
         plan = _plans.get(pkey)
         if plan is None:
-            plan = _build(op, leaves, spec, key)
+            plan = _bucketed(op, leaves, spec, key, args, kwargs) or _build(op, leaves, spec, key)
             _plans[pkey] = plan
     return plan, leaves
+
+
+def _bucketed(
+    op: Any, leaves: list, spec: Any, key: Any, args: tuple, kwargs: dict
+) -> _Plan | None:
+    """The call on its size bucket's kernel (:mod:`torch_bridge.buckets`), or None: nothing
+    varied, or an op whose results padding could change."""
+    if not any(st.is_spyre(x) for x in leaves):
+        return None
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        orig, _ = _fake_leaves(leaves, mode)
+        a, k = tree_unflatten(orig, spec)
+        with mode:
+            out = op(*a, **k)
+    except Exception:  # noqa: BLE001 - the exact path reports what is wrong with the call
+        return None
+    outs = list(out) if isinstance(out, tuple | list) else [out]
+    pad = buckets.plan_padding(op, spec, leaves, args, kwargs, outs)
+    if pad is None:
+        return None
+    sig = [(e[0], pad.shapes[i], e[2]) if e[0] in ("T", "C") else e for i, e in enumerate(key[2])]
+    bkey = (key[0], key[1], tuple(sig), key[3])
+    base = _plans.get(("bucket", bkey))
+    if base is None:
+        stand = [
+            torch.empty(s, dtype=x.dtype, device=x.device) if s is not None else x
+            for x, s in zip(leaves, pad.shapes, strict=True)
+        ]
+        base = _plans[("bucket", bkey)] = _build(op, stand, spec, bkey)
+    if base.compiled is None:
+        return None
+    have = base.compiled.out_layouts
+    if len(have) != len(pad.out_shapes) or any(
+        len(h.shape) != len(w) or any(a < b for a, b in zip(h.shape, w, strict=True))
+        for h, w in zip(have, pad.out_shapes, strict=True)
+    ):
+        return None
+    stick = runtime().card.stick_bytes
+    plan = _Plan()
+    plan.compiled, plan.inputs, plan.single = base.compiled, base.inputs, base.single
+    # each result as torch makes it at the call's own sizes (the strides of a permuted input)
+    plan.outs = [(o.dtype, st.dense_strides(o, tuple(o.shape))) for o in outs]
+    lays = [layout_for(w, h.dtype, stick) for h, w in zip(have, pad.out_shapes, strict=True)]
+    plan.pad = (pad, lays)
+    return plan
 
 
 def _fake_leaves(leaves: list, mode: Any) -> tuple[list, list]:
@@ -504,6 +553,12 @@ FAST_PLANS = 4096
 _fast: dict[Any, _Plan] = {}
 
 
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides as a key: a dimension of size 1 has none (``x[:, -1:]`` of any length
+    is one signature)."""
+    return tuple(s if n != 1 else 0 for s, n in zip(x.stride(), x.shape, strict=True))
+
+
 def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     """A cheap key for the common call (positional tensors, numbers, lists of them, None): the
     op, each tensor's device, shape, strides and dtype, each number's type and value, the card;
@@ -513,7 +568,7 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     for a in args:
         ta = type(a)
         if ta is torch.Tensor or isinstance(a, torch.Tensor):
-            key.append((a.device, a.shape, a.stride(), a.dtype))
+            key.append((a.device, a.shape, _strides(a), a.dtype))
             leaves.append(a)
         elif ta is int or ta is float or ta is bool:
             key.append((ta, a))
@@ -526,7 +581,7 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
             for x in a:
                 tx = type(x)
                 if tx is torch.Tensor or isinstance(x, torch.Tensor):
-                    sub.append((x.device, x.shape, x.stride(), x.dtype))
+                    sub.append((x.device, x.shape, _strides(x), x.dtype))
                 elif tx is int or tx is bool:
                     sub.append((tx, x))
                 else:
@@ -563,11 +618,12 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
 def _launch(plan: _Plan, leaves: list) -> Any:
     operands: list[Any] = []
     temps = []
+    pad = plan.pad
     try:
         for i, kind, pdt, lay in plan.inputs:
             x = leaves[i]
             if kind == "T":
-                b = st.as_card_buffer(x, lay)
+                b = st.as_card_buffer(x, lay, pad[0].fills[i]) if pad else st.as_card_buffer(x, lay)
                 temps.append(b)
                 operands.append(b)
             elif kind == "C":
@@ -581,6 +637,11 @@ def _launch(plan: _Plan, leaves: list) -> Any:
             b.delete()
     with _lock:
         _counts["launches"] += 1
+    if pad is not None:  # computed at the bucket's sizes: each result cropped to its own
+        bufs = [
+            b if b.layout == lay else st.cropped(b, lay)
+            for b, lay in zip(bufs, pad[1], strict=True)
+        ]
     res = [st.from_card(b, dt, sd) for b, (dt, sd) in zip(bufs, plan.outs, strict=True)]
     return res[0] if plan.single else tuple(res)
 

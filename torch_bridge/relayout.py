@@ -22,7 +22,7 @@ from jax import lax
 
 from device_model.layout import TensorLayout, np_dtype
 
-__all__ = ["gather", "host_bytes"]
+__all__ = ["gather", "host_bytes", "crop"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -56,8 +56,10 @@ def _program(
     stride: tuple[int, ...],
     offset: int,
     layout: TensorLayout,
+    fill: Any,
 ) -> Callable[[jax.Array], jax.Array]:
-    """The jitted gather of one view geometry from one kind of source."""
+    """The jitted gather of one view geometry from one kind of source (into ``layout``, whose
+    shape may be larger: the rest is ``fill``)."""
     kind = source[0]
 
     def run(src: jax.Array) -> jax.Array:
@@ -76,7 +78,7 @@ def _program(
         else:
             vals = flat[offset]
         vals = vals.astype(np_dtype(layout.dtype))
-        out = jnp.zeros(layout.device_shape, vals.dtype)
+        out = jnp.full(layout.device_shape, fill, vals.dtype)
         if not shape:
             return out.at[0].set(vals)
         return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
@@ -94,14 +96,32 @@ def gather(
     source: tuple[Any, ...],
     t: torch.Tensor,
     layout: TensorLayout,
+    fill: Any = 0,
 ) -> jax.Array:
     """``t``'s elements (its view geometry over the storage) in ``layout``: a card array.
 
     ``source``: ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card",
     shape)`` when it is a pending result of that logical shape in its card layout (contiguous).
+    ``layout`` may be larger than ``t`` (a size bucket): the positions past ``t`` hold ``fill``.
     """
     shape = tuple(int(s) for s in t.shape)
     stride = tuple(int(s) if n > 1 else 0 for s, n in zip(t.stride(), shape, strict=True))
     if math.prod(shape) == 0:
         raise ValueError("spyre: no elements to gather")
-    return _program(source, shape, stride, int(t.storage_offset()), layout)(src)
+    return _program(source, shape, stride, int(t.storage_offset()), layout, fill)(src)
+
+
+@functools.lru_cache(maxsize=4096)
+def _crop_program(src: TensorLayout, dst: TensorLayout) -> Callable[[jax.Array], jax.Array]:
+    def run(a: jax.Array) -> jax.Array:
+        vals = a[..., : src.shape[-1]] if src.shape else a
+        vals = vals[tuple(slice(0, n) for n in dst.shape)]
+        out = jnp.zeros(dst.device_shape, vals.dtype)
+        return lax.dynamic_update_slice(out, vals, (0,) * len(dst.shape))
+
+    return jax.jit(run)
+
+
+def crop(a: jax.Array, src: TensorLayout, dst: TensorLayout) -> jax.Array:
+    """A result computed at a bucket's size (``src``) cropped to its own (``dst``)."""
+    return _crop_program(src, dst)(a)

@@ -385,42 +385,50 @@ def from_host(a: np.ndarray, meta: Any) -> torch.Tensor:
 # launches: spyre tensors as card buffers and back
 
 
-def as_card_buffer(t: torch.Tensor, layout: TensorLayout | None = None) -> DeviceBuffer:
+def as_card_buffer(
+    t: torch.Tensor, layout: TensorLayout | None = None, fill: Any = 0
+) -> DeviceBuffer:
     """A spyre tensor as a new stick-layout :class:`~device_model.runtime.DeviceBuffer` (the
     dtype as the card has it: int64 narrowed to int32, bf16 via ml_dtypes), the argument a
     launch takes. When the tensor's bytes already are that layout (contiguous, rows of whole
     sticks, the card's dtype) it is a view of them (:func:`_card_view`: no copy, nothing
     allocated, the same view each launch until they are written); otherwise a new buffer, and
     for a strided view a device-side re-layout (a gather), recorded on the current stream.
-    The caller deletes the buffer when done (a view frees nothing).
+    The caller deletes the buffer when done (a view frees nothing). A ``layout`` larger than
+    ``t`` (a size bucket, :mod:`torch_bridge.buckets`) pads it with ``fill``.
     """
     r = region(t)
     rt = r.rt
     if layout is None:
         dt = card_dtype(t.dtype, "a spyre tensor")
         layout = layout_for(tuple(t.shape), dt, rt.card.stick_bytes)
-    view = _card_view(r, t, layout)
+    padded = layout.shape != tuple(t.shape)
+    view = None if padded else _card_view(r, t, layout)
     if view is not None:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
         return view
-    data = _gathered(r, t, layout)
+    data = _gathered(r, t, layout, fill)
     buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-operand", payload=data)
-    if not t.is_contiguous():
+    if padded:
+        card_runtime.device_copy(
+            f"pad {describe(t)} to {list(layout.shape)}", [r.buf], [buf], layout.nbytes
+        )
+    elif not t.is_contiguous():
         card_runtime.device_copy(f"relayout {describe(t)}", [r.buf], [buf], layout.nbytes)
     else:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
     return buf
 
 
-def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout) -> Any:
+def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:
     """``t`` in ``layout`` as a card array gathered on the card (:mod:`torch_bridge.relayout`)
     from its pending result or its storage's bytes, so the host does not wait; a read of host
     bytes is recorded in the region's ``readers``."""
-    from . import relayout  # JAX: loaded with the first launch, never by ``import torch``
-
+    relayout = _relayout()
     pend = r.pending
-    if pend is not None and pend[2] == t.dtype and pend[3] is None:
-        return relayout.gather(pend[0], ("card", pend[1].shape), t, layout)
+    card = pend is not None and pend[2] == t.dtype and pend[3] is None
+    if card:
+        return relayout.gather(pend[0], ("card", pend[1].shape), t, layout, fill)
     payload = r.device_bytes()
     key = ("bytes",)
     hit = r.views.get(key)
@@ -429,8 +437,31 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout) -> Any:
     else:
         raw = relayout.host_bytes(payload)
         r.views[key] = (r.buf.version, raw)
-    out = relayout.gather(raw, ("bytes", t.dtype), t, layout)
+    out = relayout.gather(raw, ("bytes", t.dtype), t, layout, fill)
     r.readers.append(out)
+    return out
+
+
+def _relayout() -> Any:
+    """:mod:`torch_bridge.relayout` (JAX: loaded with the first launch that needs it, never by
+    ``import torch``)."""
+    from . import relayout
+
+    return relayout
+
+
+def cropped(buf: DeviceBuffer, layout: TensorLayout) -> DeviceBuffer:
+    """A launch's result computed at a size bucket, cropped to ``layout`` (its own size): a new
+    buffer (``buf`` is freed), a device-side copy on the current stream."""
+    data = _relayout().crop(buf.payload(), buf.layout, layout)
+    out = DeviceBuffer.allocate(layout.nbytes, layout, rt=buf.rt, tag="launch", payload=data)
+    card_runtime.device_copy(
+        f"crop {layout.dtype}{list(buf.layout.shape)} to {list(layout.shape)}",
+        [buf],
+        [out],
+        layout.nbytes,
+    )
+    buf.delete()
     return out
 
 
