@@ -147,6 +147,18 @@ def test_bench_serve_json(capsys):
         cli.main(["bench", "serve", "--models", "nope"])
 
 
+def test_bench_eager_json(capsys):
+    # the small op's host cost and generate() on the device (dynamic cache), beside eager CPU
+    argv = ["bench", "eager", "--seq", "4", "--tokens", "3", "--reps", "1", "--json"]
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["op"]["add_host_us"] > 0 and r["op"]["add_cpu_us"] > 0
+    g = r["generate"]
+    assert g["tokens_equal"] == 3 and g["fallbacks"] == 0 and g["runs_agree"]
+    assert g["compiles_warm"] == 0 and g["compiles_cold"] > 0
+    assert g["generate_warm_s"] > 0 and g["warm_over_cpu"] > 0
+
+
 def test_fuzz_runs_programs_and_reports(capsys):
     assert cli.main(["fuzz", "--examples", "3", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

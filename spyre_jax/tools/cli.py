@@ -61,6 +61,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.which == "eager":
+        from . import bench_eager
+
+        res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)
+        print(json.dumps(res) if args.json else bench_eager.format_eager(res))
+        return 0
     if args.which == "serve":
         from . import bench_serve
 
@@ -132,16 +138,23 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
     )
     pb = sub.add_parser("bench", help="benchmarks")
-    pb.add_argument("which", choices=["sim", "launch", "softmax", "torch", "models", "serve"])
+    pb.add_argument(
+        "which", choices=["sim", "launch", "softmax", "torch", "models", "serve", "eager"]
+    )
     pb.add_argument("--json", action="store_true", help="print one JSON object")
     pb.add_argument("--reps", type=int, default=None, help="repetitions (default 5; models 1)")
     pb.add_argument("--models", default="", help="models: comma-separated names (default all)")
     pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
     pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
     pb.add_argument(
-        "--seq", type=int, default=None, help="models, serve: prompt length (128; serve 32)"
+        "--seq",
+        type=int,
+        default=None,
+        help="models, serve, eager: prompt length (128; serve 32; eager 8)",
     )
-    pb.add_argument("--tokens", type=int, default=16, help="serve: new tokens (default 16)")
+    pb.add_argument(
+        "--tokens", type=int, default=None, help="serve, eager: new tokens (16; eager 24)"
+    )
     pf = sub.add_parser(
         "fuzz", help="random programs through JAX, torch and the card: fuzz --examples N"
     )
@@ -158,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "reps", 0) is None:
         args.reps = 1 if args.which == "models" else 5
     if getattr(args, "seq", 0) is None:
-        args.seq = 32 if args.which == "serve" else 128
+        args.seq = {"serve": 32, "eager": 8}.get(args.which, 128)
+    if getattr(args, "tokens", 0) is None:
+        args.tokens = 24 if args.which == "eager" else 16
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

@@ -1,0 +1,145 @@
+"""``spyre-jax bench eager``: the ``spyre`` device at serving speed.
+
+Two figures, each measured side by side with eager CPU in the same run:
+
+* the host cost of one small eager op (``a + b`` of two 64x64 fp32 spyre tensors, warm): what the
+  Python thread spends per op (the card's result stays pending, the op does not wait for it),
+  and per op when a run of them is also waited for (``torch.spyre.synchronize()``);
+* ``model.generate()`` on the device (``model.to("spyre")``, the default dynamic KV cache, greedy)
+  for the 2-layer Llama of ``bench serve``: wall time cold (the first call: kernels compile) and
+  warm, beside eager CPU's (fp32, warm), the kernels compiled by each call, a second prompt of
+  another length, CPU fallbacks, and whether the tokens equal the CPU's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from torch_bridge import device as dev
+
+from .bench_models import format_table
+from .bench_serve import _llama_tiny
+
+__all__ = ["bench_eager", "format_eager"]
+
+
+def _per_call(fn: Any, calls: int, reps: int) -> float:
+    """The median over ``reps`` runs of the mean time of one of ``calls`` calls, in us."""
+    for _ in range(100):
+        fn()
+    runs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t) / calls)
+    return statistics.median(runs) * 1e6
+
+
+def _op_costs(reps: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    sa, sb = a.to("spyre"), b.to("spyre")
+    host = _per_call(lambda: sa + sb, 1000, reps)
+
+    def waited() -> None:
+        for _ in range(100):
+            sa + sb
+        torch.spyre.synchronize()
+
+    synced = _per_call(waited, 10, reps) / 100
+    cpu = _per_call(lambda: a + b, 1000, reps)
+    return {
+        "add_host_us": host,
+        "add_waited_us": synced,
+        "add_cpu_us": cpu,
+        "add_host_over_cpu": host / cpu,
+    }
+
+
+def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    if out.device.type == "spyre":
+        out = out.cpu()
+    return out[0, ids.shape[1] :], time.perf_counter() - t
+
+
+def _generate_costs(prompt: int, tokens: int) -> dict[str, Any]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = _llama_tiny(2).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, prompt), generator=g)
+    ids2 = torch.randint(0, vocab, (1, prompt + 5), generator=g)
+    with torch.no_grad():
+        _generate(model, ids, tokens)  # warm-up: transformers' own first-call costs
+        want, _ = _generate(model, ids, tokens)
+        cpu_s = statistics.median(_generate(model, ids, tokens)[1] for _ in range(3))
+        model.to("spyre")
+        dev.reset_stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, cold_s = _generate(model, ids.to("spyre"), tokens)
+            cold_compiles = dev.compile_count()
+            got2, warm_s = _generate(model, ids.to("spyre"), tokens)
+            warm_compiles = dev.compile_count() - cold_compiles
+            _, other_s = _generate(model, ids2.to("spyre"), tokens)
+            other_compiles = dev.compile_count() - cold_compiles - warm_compiles
+    return {
+        "prompt": prompt,
+        "new_tokens": tokens,
+        "generate_cpu_s": cpu_s,
+        "generate_cold_s": cold_s,
+        "generate_warm_s": warm_s,
+        "warm_over_cpu": warm_s / cpu_s,
+        "cold_over_cpu": cold_s / cpu_s,
+        "compiles_cold": cold_compiles,
+        "compiles_warm": warm_compiles,
+        "other_prompt_s": other_s,
+        "compiles_other_prompt": other_compiles,
+        "fallbacks": sum(dev.fallback_stats().values()),
+        "tokens_equal": int((got == want).sum()),
+        "runs_agree": bool(torch.equal(got, got2)),
+    }
+
+
+def bench_eager(*, reps: int = 5, prompt: int = 8, tokens: int = 24) -> dict[str, Any]:
+    """The small op's host cost and ``generate()`` on the device, beside eager CPU."""
+    return {"op": _op_costs(reps), "generate": _generate_costs(prompt, tokens)}
+
+
+def format_eager(res: dict[str, Any]) -> str:
+    """Two small tables of :func:`bench_eager`'s result."""
+    op = format_table(
+        {"add 64x64": res["op"]},
+        (
+            ("host us", "add_host_us", "{:.1f}"),
+            ("waited us", "add_waited_us", "{:.1f}"),
+            ("cpu us", "add_cpu_us", "{:.2f}"),
+        ),
+        width=12,
+    )
+    gen = format_table(
+        {"llama-tiny": res["generate"]},
+        (
+            ("cpu s", "generate_cpu_s", "{:.3f}"),
+            ("cold s", "generate_cold_s", "{:.1f}"),
+            ("warm s", "generate_warm_s", "{:.2f}"),
+            ("warm/cpu", "warm_over_cpu", "{:.1f}"),
+            ("compiles", "compiles_cold", "{}"),
+            ("2nd prompt", "compiles_other_prompt", "{}"),
+            ("fallbacks", "fallbacks", "{}"),
+            ("tokens equal", "tokens_equal", "{}"),
+        ),
+        width=12,
+    )
+    return op + "\n\n" + gen
