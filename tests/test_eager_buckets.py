@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import spyre_jax  # noqa: F401  (the device)
 from torch_bridge import buckets, eager
@@ -43,6 +45,8 @@ def test_a_growing_dimension_compiles_once_per_bucket():
         got = (x.to("spyre") * y.to("spyre")).cpu()
         torch.testing.assert_close(got, x * y)
     assert _compiles() - before <= 3  # the first size exactly, then buckets 64 and 128
+    counts = eager.stats()
+    assert counts["padded_launches"] > 0 and counts["padding_bytes"] > 0  # the work done on padding
 
 
 @pytest.mark.parametrize(
@@ -92,3 +96,28 @@ def test_an_op_whose_result_padding_would_change_runs_exact():
         x = torch.randn(3, n)
         got = torch.cumsum(x.to("spyre"), -1).cpu()
         torch.testing.assert_close(got, torch.cumsum(x, -1), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(2, 150), min_size=2, max_size=4),
+    which=st.sampled_from(["add", "softmax", "amax", "sum", "bmm"]),
+)
+def test_padding_never_changes_a_result(sizes, which):
+    """Any run of sizes of one dimension, any op that pads: the CPU's result every time."""
+    g = torch.Generator().manual_seed(len(sizes))
+    for n in sizes:
+        x = torch.randn(3, n, generator=g)
+        y = torch.randn(3, n, generator=g)
+        if which == "add":
+            got, want = (x.to("spyre") + y.to("spyre")).cpu(), x + y
+        elif which == "softmax":
+            got, want = torch.softmax(x.to("spyre"), -1).cpu(), torch.softmax(x, -1)
+        elif which == "amax":
+            got, want = (x.to("spyre") - 5).amax(-1).cpu(), (x - 5).amax(-1)
+        elif which == "sum":
+            got, want = x.to("spyre").sum(-1).cpu(), x.sum(-1)
+        else:
+            a, b = x[None], y[None].transpose(1, 2)
+            got, want = torch.bmm(a.to("spyre"), b.to("spyre")).cpu(), torch.bmm(a, b)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

@@ -26,6 +26,7 @@ uncounted as fallbacks (``"host_factories"``).
 from __future__ import annotations
 
 import collections
+import math
 import operator
 import sys
 import threading
@@ -39,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from device_model.layout import layout_for
+from device_model.layout import layout_for, np_dtype
 from device_model.memory import DeviceOOMError
 from device_model.runtime import launch, runtime
 from lowering.from_fx import RULES, card_dtype, from_fx, supported
@@ -53,12 +54,22 @@ __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_st
 
 aten = torch.ops.aten
 _lock = threading.RLock()
-_counts = {"compiles": 0, "launches": 0, "cache_hits": 0, "cpu_fallbacks": 0, "host_factories": 0}
+_counts = {
+    "compiles": 0,
+    "launches": 0,
+    "cache_hits": 0,
+    "cpu_fallbacks": 0,
+    "host_factories": 0,
+    "padded_launches": 0,
+    "padding_bytes": 0,
+}
 _fallbacks: collections.Counter[str] = collections.Counter()
 
 
 def stats() -> dict[str, int]:
-    """compiles (card kernels built), launches, cache_hits, cpu_fallbacks, host_factories."""
+    """compiles (card kernels built), launches, cache_hits, cpu_fallbacks, host_factories, and
+    the launches on a size bucket's kernel with the bytes of padding their operands carried
+    (``padded_launches``, ``padding_bytes``: work the card does on padding)."""
     with _lock:
         return dict(_counts, cache_entries=len(_plans))
 
@@ -619,11 +630,16 @@ def _launch(plan: _Plan, leaves: list) -> Any:
     operands: list[Any] = []
     temps = []
     pad = plan.pad
+    padding = 0
     try:
         for i, kind, pdt, lay in plan.inputs:
             x = leaves[i]
             if kind == "T":
-                b = st.as_card_buffer(x, lay, pad[0].fills[i]) if pad else st.as_card_buffer(x, lay)
+                if pad:
+                    b = st.as_card_buffer(x, lay, pad[0].fills[i])
+                    padding += (math.prod(lay.shape) - x.numel()) * np_dtype(lay.dtype).itemsize
+                else:
+                    b = st.as_card_buffer(x, lay)
                 temps.append(b)
                 operands.append(b)
             elif kind == "C":
@@ -637,6 +653,9 @@ def _launch(plan: _Plan, leaves: list) -> Any:
             b.delete()
     with _lock:
         _counts["launches"] += 1
+        if pad is not None:
+            _counts["padded_launches"] += 1
+            _counts["padding_bytes"] += padding
     if pad is not None:  # computed at the bucket's sizes: each result cropped to its own
         bufs = [
             b if b.layout == lay else st.cropped(b, lay)
