@@ -5,6 +5,7 @@ transformers models through ``torch.compile(backend="spyre")``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +18,17 @@ import torch
 import spyre_jax
 from torch_bridge import backend as tb
 
+from . import bench_eager, bench_models, bench_serve
 from .demo import demo_block, gpt2_small
 
-__all__ = ["SOFTMAX_MEASURED_US", "bench_sim", "bench_launch", "bench_softmax", "bench_torch"]
+__all__ = [
+    "SOFTMAX_MEASURED_US",
+    "bench_sim",
+    "bench_launch",
+    "bench_softmax",
+    "bench_torch",
+    "main",
+]
 
 #: the published measurement the timing model is calibrated against (CARD.md: torch-spyre
 #: ``compiler/cost_model.md``, a 4096 x 2048 fp16 softmax on 32 cores)
@@ -190,3 +199,47 @@ def bench_torch(reps: int = 3) -> dict[str, dict[str, Any]]:
             "ratio": sim / eager,
         }
     return res
+
+
+def main(args: Any) -> int:
+    """``spyre-jax bench WHICH``: run one benchmark and print its table or JSON (``args``: the
+    command line's parsed arguments)."""
+    if args.which == "eager":
+        res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)
+        print(json.dumps(res) if args.json else bench_eager.format_eager(res))
+        return 0
+    if args.which == "serve":
+        names = args.models.split(",") if args.models else None
+        res = bench_serve.bench_serve(names, layers=args.layers, seq=args.seq, tokens=args.tokens)
+        print(json.dumps(res) if args.json else bench_serve.format_serve(res))
+        return 0
+    if args.which == "models":
+        names = args.models.split(",") if args.models else None
+        res = bench_models.bench_models(
+            names, layers=args.layers, tiny=args.tiny, seq=args.seq, reps=args.reps
+        )
+        print(json.dumps(res) if args.json else bench_models.format_models(res))
+        return 0
+    if args.which != "sim":
+        if args.which == "torch":
+            out = bench_torch(reps=args.reps)
+        elif args.which == "launch":
+            out = bench_launch(reps=args.reps)
+        else:
+            out = bench_softmax()
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for k, v in out.items():
+                print(f"{k:<16} {v:.3f}" if isinstance(v, float) else f"{k:<16} {v}")
+        return 0
+    res = bench_sim(args.reps)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(
+                f"{k:<12} sim {v['sim_s'] * 1e3:8.2f} ms  native {v['native_s'] * 1e3:8.2f} ms"
+                f"  ratio {v['ratio']:6.2f}  cold {v['cold_compile_s']:.2f} s"
+            )
+    return 0

@@ -61,53 +61,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.which == "eager":
-        from . import bench_eager
+    from . import bench  # JAX, torch and the models load here, not when the CLI starts
 
-        res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)
-        print(json.dumps(res) if args.json else bench_eager.format_eager(res))
-        return 0
-    if args.which == "serve":
-        from . import bench_serve
-
-        names = args.models.split(",") if args.models else None
-        res = bench_serve.bench_serve(names, layers=args.layers, seq=args.seq, tokens=args.tokens)
-        print(json.dumps(res) if args.json else bench_serve.format_serve(res))
-        return 0
-    if args.which == "models":
-        from . import bench_models
-
-        names = args.models.split(",") if args.models else None
-        res = bench_models.bench_models(
-            names, layers=args.layers, tiny=args.tiny, seq=args.seq, reps=args.reps
-        )
-        print(json.dumps(res) if args.json else bench_models.format_models(res))
-        return 0
-    from . import bench
-
-    if args.which != "sim":
-        if args.which == "torch":
-            out = bench.bench_torch(reps=args.reps)
-        elif args.which == "launch":
-            out = bench.bench_launch(reps=args.reps)
-        else:
-            out = bench.bench_softmax()
-        if args.json:
-            print(json.dumps(out))
-        else:
-            for k, v in out.items():
-                print(f"{k:<16} {v:.3f}" if isinstance(v, float) else f"{k:<16} {v}")
-        return 0
-    res = bench.bench_sim(args.reps)
-    if args.json:
-        print(json.dumps(res))
-    else:
-        for k, v in res.items():
-            print(
-                f"{k:<12} sim {v['sim_s'] * 1e3:8.2f} ms  native {v['native_s'] * 1e3:8.2f} ms"
-                f"  ratio {v['ratio']:6.2f}  cold {v['cold_compile_s']:.2f} s"
-            )
-    return 0
+    return bench.main(args)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
