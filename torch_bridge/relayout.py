@@ -22,7 +22,7 @@ from jax import lax
 
 from device_model.layout import TensorLayout, np_dtype
 
-__all__ = ["gather", "host_bytes", "crop"]
+__all__ = ["gather", "host_bytes", "crop", "worth_compiling"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -84,6 +84,22 @@ def _program(
         return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
 
     return jax.jit(run)
+
+
+#: a geometry is gathered by a compiled program from its this-many-th use on; its first use
+#: is a copy on the host (a compile costs 10-50 ms, a one-off view's host copy far less)
+COMPILE_AFTER = 2
+_uses: dict[Any, int] = {}
+
+
+def worth_compiling(key: Any) -> bool:
+    """Whether this geometry (hashable) has been used often enough to compile its program."""
+    n = _uses.get(key, 0) + 1
+    if n <= COMPILE_AFTER:
+        if len(_uses) >= 1 << 16:
+            _uses.clear()
+        _uses[key] = n
+    return n >= COMPILE_AFTER
 
 
 def host_bytes(payload: np.ndarray) -> jax.Array:

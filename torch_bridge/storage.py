@@ -427,6 +427,16 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     relayout = _relayout()
     pend = r.pending
     card = pend is not None and pend[2] == t.dtype and pend[3] is None
+    geometry = (
+        ("card", pend[1].shape) if card else ("bytes", t.dtype),
+        tuple(t.shape),
+        tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True)),
+        t.storage_offset(),
+        layout,
+        fill,
+    )
+    if not relayout.worth_compiling(geometry):
+        return _host_gathered(t, layout, fill)
     if card:
         return relayout.gather(pend[0], ("card", pend[1].shape), t, layout, fill)
     payload = r.device_bytes()
@@ -442,6 +452,24 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     return out
 
 
+def _host_gathered(t: torch.Tensor, layout: TensorLayout, fill: Any) -> np.ndarray:
+    """:func:`_gathered` on the host, for a geometry's first use: the tensor's values (waited
+    for) copied into ``layout``, ``fill`` past ``t``'s own size."""
+    al = alias(t)
+    if t.dtype == torch.bfloat16:
+        host = al.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    elif t.dtype == torch.int64:
+        host = al.numpy().astype(np.int32)
+    else:
+        host = al.numpy()
+    data = np.full(layout.device_shape, fill, np_dtype(layout.dtype))
+    if host.ndim:
+        data[tuple(slice(0, n) for n in host.shape)] = host
+    else:
+        data[0] = host
+    return data
+
+
 def _relayout() -> Any:
     """:mod:`torch_bridge.relayout` (JAX: loaded with the first launch that needs it, never by
     ``import torch``)."""
@@ -453,7 +481,15 @@ def _relayout() -> Any:
 def cropped(buf: DeviceBuffer, layout: TensorLayout) -> DeviceBuffer:
     """A launch's result computed at a size bucket, cropped to ``layout`` (its own size): a new
     buffer (``buf`` is freed), a device-side copy on the current stream."""
-    data = _relayout().crop(buf.payload(), buf.layout, layout)
+    src = buf.layout
+    if _relayout().worth_compiling(("crop", src, layout)):
+        data = _relayout().crop(buf.payload(), src, layout)
+    else:  # a first use: on the host (waits for the result) rather than a compile
+        have = np.asarray(buf.payload())
+        if src.shape:
+            have = have[..., : src.shape[-1]][tuple(slice(0, n) for n in layout.shape)]
+        data = np.zeros(layout.device_shape, have.dtype)
+        data[tuple(slice(0, n) for n in layout.shape)] = have
     out = DeviceBuffer.allocate(layout.nbytes, layout, rt=buf.rt, tag="launch", payload=data)
     card_runtime.device_copy(
         f"crop {layout.dtype}{list(buf.layout.shape)} to {list(layout.shape)}",
