@@ -1,17 +1,20 @@
-"""Graphs with symbolic sizes: one card kernel per concrete size, compiled when first seen.
+"""Graphs with symbolic sizes: one card kernel per size bucket, else per concrete size.
 
 Dynamo marks a size dynamic when it sees it change (a serving loop's sequence length, a growing
 KV cache) or when asked (``dynamic=True``, ``torch._dynamo.mark_dynamic``); AOTAutograd then
 hands the backend a graph whose inputs include ``SymInt`` sizes and tensors of symbolic shape.
-The card's schedules are static, so :class:`DynamicGraph` specializes the graph at call time:
-the sizes of the call's arguments bind the symbols, ``make_fx`` traces the graph again over fake
-tensors of those sizes (every symbolic expression folds to a number), and the static graph
-compiles as any other (``compile_static``). Kernels are cached by the arguments' sizes and
-dtypes: a size seen before launches its kernel at once.
+The card's schedules are static. :class:`DynamicGraph` first pads the graph to size buckets
+(``torch_bridge.padded``: one kernel per bucket, the padding masked). A graph whose padding
+cannot be masked is specialized at call time instead: the sizes of the call's arguments bind
+the symbols, ``make_fx`` traces the graph again over fake tensors of those sizes (every
+symbolic expression folds to a number), and the static graph compiles as any other
+(``compile_static``). Kernels are cached by the arguments' sizes and dtypes: a size seen before
+launches its kernel at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,6 +25,12 @@ import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
+
+from .padded import NotBucketable, PaddedPlan
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["DynamicGraph", "is_dynamic", "SPECIALIZATIONS"]
 
@@ -67,6 +76,55 @@ class DynamicGraph:
         self.kernels: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self.compiles = 0
         self._lock = threading.Lock()
+        #: whether calls run padded to size buckets (None until the first call decides)
+        self.bucketed: bool | None = None
+        #: why the graph runs per exact size, when it does
+        self.reason = ""
+        self.plan: PaddedPlan | None = None
+        self.padded_calls = 0
+        self.padding_bytes = 0
+        self.padding_flops = 0
+        self._last: Any = None
+
+    def cost_analysis(self) -> dict[str, Any]:
+        """The figures of the kernel of the last call; for a bucketed graph with the padding
+        that call carried (``padding_bytes``, ``padding_flops``) and its ``bucket``."""
+        k = self._last
+        if k is None:
+            return {}
+        if hasattr(k, "cost_analysis"):
+            return k.cost_analysis()
+        run = getattr(k, "run", None)
+        return run.cost_analysis() if hasattr(run, "cost_analysis") else {}
+
+    def _padded(self, args: tuple[Any, ...]) -> tuple[bool, Any]:
+        """Run the call on its bucket's kernel: (True, results), or (False, None) where the
+        graph cannot be padded (it then runs per exact size from here on)."""
+        try:
+            with self._lock:
+                if self.plan is None:
+                    self.plan = PaddedPlan(self.gm, self.compile_static)
+                plan = self.plan
+            values = plan.bind(args)
+            key = plan.key(args, values)
+            k = plan.kernels.get(key)
+            if k is None:
+                k = plan.kernel(args)[0]
+                with self._lock:
+                    self.compiles += 1
+        except (NotBucketable, LoweringError, TilingError, UnsupportedPrimitiveError) as e:
+            self.bucketed = False
+            self.reason = f"{type(e).__name__}: {e}"
+            _log.info("spyre: a dynamic graph runs per exact size: %s", self.reason)
+            return False, None
+        self.bucketed = True
+        out = k(args, values)
+        with self._lock:
+            self._last = k
+            self.padded_calls += 1
+            self.padding_bytes += k.last["padding_bytes"]
+            self.padding_flops += k.last["padding_flops"]
+        return True, out
 
     def specialize(self, args: tuple[Any, ...]) -> torch.fx.GraphModule:
         """The graph traced again at the sizes of ``args``: a static graph of core ATen ops."""
@@ -99,6 +157,10 @@ class DynamicGraph:
         return static
 
     def __call__(self, *args: Any) -> Any:
+        if self.bucketed is not False:
+            done, out = self._padded(args)
+            if done:
+                return out
         key = _key(args)
         with self._lock:
             run = self.kernels.get(key)
@@ -111,6 +173,7 @@ class DynamicGraph:
                 self.compiles += 1
                 while len(self.kernels) > SPECIALIZATIONS:
                     self.kernels.popitem(last=False)
+        self._last = run
         return run(*args)
 
 
