@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
 
+from .graph_passes import copy_sources, fold_constants
 from .padded import NotBucketable, PaddedPlan
 
 _log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class DynamicGraph:
                 tracing_mode="fake",
                 _allow_non_fake_inputs=True,
             )(*fakes)
-        _copy_sources(self.gm, static)
+        copy_sources(self.gm, static)
         # the sizes are numbers in the traced graph now: their inputs have no users; drop them
         for n in list(static.graph.nodes):
             if (
@@ -152,7 +153,7 @@ class DynamicGraph:
                 and not isinstance(n.meta.get("val"), torch.Tensor)
             ):
                 static.graph.erase_node(n)
-        _fold_constants(static)
+        fold_constants(static)
         static.recompile()
         return static
 
@@ -187,66 +188,3 @@ class _Specialized:
 
     def __call__(self, *args: Any) -> Any:
         return self.run(*[args[i] for i in self.keep])
-
-
-#: a computation on sizes alone folds to a constant when its result has at most this many elements
-FOLD_MAX_ELEMENTS = 1 << 16
-
-
-def _foldable(target: Any) -> bool:
-    """Not a random op (each call draws anew) nor an uninitialized allocation."""
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded not in tags and target not in (
-        torch.ops.aten.empty.memory_format,
-        torch.ops.aten.empty_strided.default,
-    )
-
-
-def _fold_constants(gm: torch.fx.GraphModule) -> None:
-    """Evaluate what no input reaches (arithmetic on the sizes, now numbers: the ``** 0.5`` of
-    a head width, ``arange`` of a length) into constants of the graph, so that the scalar
-    computations Dynamo traced for symbolic sizes (often in float64) do not reach the card."""
-    values: dict[torch.fx.Node, Any] = {}
-    for n in list(gm.graph.nodes):
-        if n.op == "get_attr":
-            obj: Any = gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
-            values[n] = obj
-            continue
-        if n.op != "call_function":
-            continue
-        deps = n.all_input_nodes
-        if not all(d in values for d in deps) or not _foldable(n.target):
-            continue
-        args = torch.fx.node.map_arg(n.args, lambda d: values[d])
-        kwargs = torch.fx.node.map_arg(n.kwargs, lambda d: values[d])
-        try:
-            v = n.target(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - not foldable here: the card computes it
-            continue
-        if not isinstance(v, torch.Tensor) or v.numel() > FOLD_MAX_ELEMENTS:
-            continue
-        values[n] = v
-        name = f"_folded_{len(values)}"
-        gm.register_buffer(name, v)
-        with gm.graph.inserting_before(n):
-            c = gm.graph.get_attr(name)
-        c.meta["val"] = v
-        n.replace_all_uses_with(c)
-        gm.graph.erase_node(n)
-        values[c] = v
-    gm.graph.eliminate_dead_code()
-
-
-def _copy_sources(src: torch.fx.GraphModule, dst: torch.fx.GraphModule) -> None:
-    """Give the retraced nodes the user's source lines back: each node of ``dst`` takes the
-    stack trace of the first node of ``src`` with the same target, in order (errors then point
-    at the user's line as they do for static graphs)."""
-    traces: dict[Any, list[str]] = {}
-    for n in src.graph.nodes:
-        if n.op == "call_function" and n.meta.get("stack_trace"):
-            traces.setdefault(n.target, []).append(n.meta["stack_trace"])
-    for n in dst.graph.nodes:
-        if n.op == "call_function" and traces.get(n.target):
-            n.meta["stack_trace"] = traces[n.target].pop(0)

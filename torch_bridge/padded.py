@@ -47,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .buckets import bucket
+from .graph_passes import copy_sources, fold_constants
 
 __all__ = ["NotBucketable", "PaddedPlan"]
 
@@ -91,6 +92,7 @@ _VAR = {aten.var.correction, aten.var.dim}
 _SOFTMAX = {aten._softmax.default, aten._log_softmax.default}
 _MATMUL = {aten.mm.default: (1, 0), aten.bmm.default: (2, 1)}
 _CHECKS = {aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default}
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 # ops that may touch a padded dimension with no mask: they do not mix positions along it
 _SAFE = {
@@ -274,10 +276,8 @@ class _BucketKernel:
             )(*fakes, lens_fake)
         self.out_specs = padder.out_specs
         self.padding_flops_fn = padder.padding_flops
-        from .dynamic import _copy_sources, _fold_constants
-
-        _copy_sources(plan.gm, static)
-        _fold_constants(static)
+        copy_sources(plan.gm, static)
+        fold_constants(static)
         static.recompile()
         self.static_gm = static
         self.run = plan.compile_static(static)
@@ -551,6 +551,14 @@ class _Padder(torch.fx.Interpreter):
             return base * self.runtime(step) + self.runtime(start)
         if t is aten.scalar_tensor.default and isinstance(x, _Sym):
             return self.runtime(x).to(kwargs.get("dtype") or torch.float32)
+        if t is aten.native_layer_norm.default and not any(
+            _symbolic(_expr(d)) for d in xm.shape[xm.dim() - len(args[1]) :]
+        ):  # normalized over static trailing dims: each padded row on its own
+            return t(*self.static(args), **self.static(kwargs))
+        if t in _SPLITS and not _symbolic(
+            _expr(xm.shape[(args[2] if len(args) > 2 else kwargs.get("dim", 0)) % xm.dim()])
+        ):
+            return t(*self.static(args), **self.static(kwargs))  # split along a static dim
         if t in _SAFE:
             if t in (aten.full.default,) and isinstance(args[1], _Sym):
                 raise NotBucketable(f"{t} ({n.name}) fills with a size")
