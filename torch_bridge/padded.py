@@ -166,6 +166,8 @@ class PaddedPlan:
         exprs: dict[Any, int] = {}
         for n in gm.graph.nodes:
             v = n.meta.get("val")
+            if n.op == "placeholder" and not isinstance(v, torch.Tensor) and not n.users:
+                continue  # a size Dynamo passes but nothing reads (a stride): not in the key
             vals = v if isinstance(v, list | tuple) else [v]
             for x in vals:
                 if isinstance(x, torch.Tensor):
@@ -183,7 +185,7 @@ class PaddedPlan:
             raise NotBucketable(
                 f"symbols {sorted(map(str, missing))} are not the size of any input"
             )
-        self.symbols = sorted(self.binders, key=str)
+        self.symbols = sorted(free, key=str)
         self.exprs = list(exprs)
         self.index = exprs
         self.kernels: dict[tuple, _BucketKernel] = {}

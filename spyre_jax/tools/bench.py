@@ -210,7 +210,9 @@ def main(args: Any) -> int:
         return 0
     if args.which == "serve":
         names = args.models.split(",") if args.models else None
-        res = bench_serve.bench_serve(names, layers=args.layers, seq=args.seq, tokens=args.tokens)
+        res = bench_serve.bench_serve(
+            names, layers=args.layers, seq=args.seq, tokens=args.tokens, cache=args.cache
+        )
         print(json.dumps(res) if args.json else bench_serve.format_serve(res))
         return 0
     if args.which == "models":

@@ -2,15 +2,17 @@
 
 For each model (a 2-layer Llama of width 128, and the Llama-3.2-1B configuration of ``bench
 models``; random weights), ``model.generate()`` runs greedy decoding of ``--tokens`` new tokens
-after a ``--seq``-token prompt with the static KV cache (``cache_implementation="static"``: one
-prefill kernel and one decode kernel, whatever the position), three ways: fp32 eager on the CPU
-(the reference tokens and wall time), and fp16 with ``model.forward`` compiled for the card, once
-cold (compiles included) and once warm. Reported per model: the simulated prefill time and time
-per decoded token (the card kernels' simulated times, from ``cost_analysis()``), tokens per
-second on the card, the simulation's wall time per token (warm) beside eager CPU's, kernels
-compiled, CPU fallbacks, how many of the new tokens equal the fp32 reference's, and the error of
-the logits (largest absolute error over the reference's largest logit) of the prefill step and the
-worst decode step, while the tokens agree, with their ratio.
+after a ``--seq``-token prompt. The KV cache is the static one by default
+(``cache_implementation="static"``: one prefill kernel and one decode kernel, whatever the
+position) or, with ``--cache dynamic``, transformers' default cache (decode kernels per bucket of
+the KV length). Each runs three ways: fp32 eager on the CPU (the reference tokens and wall time),
+and fp16 with ``model.forward`` compiled for the card, once cold (compiles included) and once
+warm. Reported per model: the simulated prefill time and time per decoded token (the card
+kernels' simulated times, from ``cost_analysis()``), tokens per second on the card, the
+simulation's wall time per token (warm) beside eager CPU's, kernels compiled, the graphs a second
+prompt of another length compiles, CPU fallbacks, how many of the new tokens equal the fp32
+reference's, and the error of the logits (largest absolute error over the reference's largest
+logit) of the prefill step and the worst decode step, while the tokens agree, with their ratio.
 """
 
 from __future__ import annotations
@@ -50,15 +52,22 @@ SERVE_MODELS = {
 }
 
 
-def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float, list]:
+#: the KV caches ``--cache`` takes: transformers' static cache, or its default (dynamic) one
+CACHES = ("static", "dynamic")
+
+
+def _generate(
+    model: Any, ids: torch.Tensor, n: int, cache: str = "static"
+) -> tuple[torch.Tensor, float, list]:
     """Greedy decoding of ``n`` tokens: the new tokens, the wall time, each step's logits."""
     t = time.perf_counter()
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
     out = model.generate(
         ids,
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
-        cache_implementation="static",
+        **kw,
         pad_token_id=0,
         output_logits=True,
         return_dict_in_generate=True,
@@ -82,8 +91,12 @@ def _agreeing(got: torch.Tensor, want: torch.Tensor) -> int:
     return len(got) if len(diff) == 0 else int(diff[0, 0]) + 1
 
 
-def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[str, Any]:
+def run_serve(
+    name: str, *, layers: int | None, seq: int, tokens: int, cache: str = "static"
+) -> dict[str, Any]:
     """One model: the figures :func:`bench_serve` reports."""
+    if cache not in CACHES:
+        raise ValueError(f"bench serve: unknown cache {cache!r}; known: {', '.join(CACHES)}")
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -96,19 +109,29 @@ def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[s
         "layers": model.config.num_hidden_layers,
         "prompt": seq,
         "new_tokens": tokens,
+        "cache": cache,
     }
     with torch.no_grad():
-        want, eager_s, want_logits = _generate(model, ids, tokens)
+        want, eager_s, want_logits = _generate(model, ids, tokens, cache)
         model = model.half()
         gc.collect()
         torch._dynamo.reset()
         tb.reset_fallback_stats()
-        model.forward = torch.compile(model.forward, backend="spyre", dynamic=False)
-        got, cold_s, got_logits = _generate(model, ids, tokens)
-        got2, warm_s, _ = _generate(model, ids, tokens)
+        # the dynamic cache: Dynamo's default makes the KV length symbolic once it changes
+        dynamic = False if cache == "static" else None
+        model.forward = torch.compile(model.forward, backend="spyre", dynamic=dynamic)
+        got, cold_s, got_logits = _generate(model, ids, tokens, cache)
+        got2, warm_s, _ = _generate(model, ids, tokens, cache)
+        kernels = list(tb.compiled_kernels())
+        # a prompt of another length: the graphs it compiles (its prefill, and with the dynamic
+        # cache the KV-length buckets the first prompt did not reach)
+        before = tb.compile_stats()["graphs"]
+        other = torch.randint(0, vocab, (1, seq + 5), generator=torch.Generator().manual_seed(1))
+        _generate(model, other, tokens, cache)
+        other_compiles = tb.compile_stats()["graphs"] - before
     errs = step_errors(got_logits, want_logits, _agreeing(got, want))
     prefill, decode = [], []
-    for k in tb.compiled_kernels():
+    for k in kernels:
         # the prompt's kernel takes the token ids of the whole prompt; a decode step's, one
         ids_in = [v for v in k.graph.inputs if v.dtype == "int32" and v.shape == (1, seq)]
         (prefill if ids_in and seq > 1 else decode).append(k.cost_analysis()["sim_time_us"])
@@ -121,6 +144,7 @@ def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[s
         cold_generate_s=cold_s,
         sim_wall_s_per_token=warm_s / tokens,
         eager_cpu_s_per_token=eager_s / tokens,
+        compiles_other_prompt=other_compiles,
         fallbacks=sum(tb.fallback_stats().values()),
         tokens_equal=int((got == want[: len(got)]).sum()),
         runs_agree=bool(torch.equal(got, got2)),
@@ -133,7 +157,12 @@ def run_serve(name: str, *, layers: int | None, seq: int, tokens: int) -> dict[s
 
 
 def bench_serve(
-    names: list[str] | None = None, *, layers: int | None = None, seq: int = 32, tokens: int = 16
+    names: list[str] | None = None,
+    *,
+    layers: int | None = None,
+    seq: int = 32,
+    tokens: int = 16,
+    cache: str = "static",
 ) -> dict[str, dict[str, Any]]:
     """Every model of :data:`SERVE_MODELS` (or ``names``), one after another."""
     out: dict[str, dict[str, Any]] = {}
@@ -142,7 +171,7 @@ def bench_serve(
             raise ValueError(
                 f"bench serve: unknown model {name!r}; known: {', '.join(SERVE_MODELS)}"
             )
-        out[name] = run_serve(name, layers=layers, seq=seq, tokens=tokens)
+        out[name] = run_serve(name, layers=layers, seq=seq, tokens=tokens, cache=cache)
         gc.collect()
     return out
 
@@ -158,6 +187,7 @@ def format_serve(res: dict[str, dict[str, Any]]) -> str:
         ("eager s/tok", "eager_cpu_s_per_token", "{:.4f}"),
         ("ratio", "sim_over_eager", "{:.1f}"),
         ("kernels", "kernels", "{}"),
+        ("2nd prompt", "compiles_other_prompt", "{}"),
         ("fallbacks", "fallbacks", "{}"),
         ("tokens equal", "tokens_equal", "{}"),
         ("decode/prefill err", "decode_over_prefill_err", "{:.2f}"),

@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument(
         "--tokens", type=int, default=None, help="serve, eager: new tokens (16; eager 24)"
     )
+    pb.add_argument(
+        "--cache",
+        choices=["static", "dynamic"],
+        default="static",
+        help="serve: transformers' KV cache (static, or the default dynamic one)",
+    )
     pf = sub.add_parser(
         "fuzz", help="random programs through JAX, torch and the card: fuzz --examples N"
     )
