@@ -599,12 +599,15 @@ def _run_kernel(
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
         results = runner(*payloads)
-        for b in bufs:  # the host may write those bytes next
-            if b.shares_host:
-                rd = b._base.readers if b._base is not None else None
-                if rd is None:  # nobody waits for it before writing: the launch does
-                    exe._block(results)
-                    break
+        # the host may write the bytes of inputs that share its memory next: each such input's
+        # storage records the launch (its writer waits for it), or where one keeps no record
+        # the launch waits here (and then no record is needed)
+        shared = [b for b in bufs if b.shares_host]
+        lists = [b._base.readers if b._base is not None else None for b in shared]
+        if any(rd is None for rd in lists):
+            exe._block(results)
+        else:
+            for rd in lists:
                 if len(rd) >= _READERS_PRUNE:
                     rd[:] = [r for r in rd if not r.is_ready()]
                 rd.extend(results)

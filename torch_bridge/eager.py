@@ -564,10 +564,7 @@ FAST_PLANS = 4096
 _fast: dict[Any, _Plan] = {}
 
 
-def _strides(x: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's strides as a key: a dimension of size 1 has none (``x[:, -1:]`` of any length
-    is one signature)."""
-    return tuple(s if n != 1 else 0 for s, n in zip(x.stride(), x.shape, strict=True))
+_strides = st.key_strides
 
 
 def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:

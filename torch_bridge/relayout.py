@@ -107,24 +107,19 @@ def host_bytes(payload: np.ndarray) -> jax.Array:
     return jax.device_put(payload, may_alias=True)
 
 
-def gather(
-    src: jax.Array,
-    source: tuple[Any, ...],
-    t: torch.Tensor,
-    layout: TensorLayout,
-    fill: Any = 0,
-) -> jax.Array:
-    """``t``'s elements (its view geometry over the storage) in ``layout``: a card array.
+def gather(src: jax.Array, geometry: tuple[Any, ...]) -> jax.Array:
+    """A view's elements in a card layout: a card array.
 
-    ``source``: ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card",
-    shape)`` when it is a pending result of that logical shape in its card layout (contiguous).
-    ``layout`` may be larger than ``t`` (a size bucket): the positions past ``t`` hold ``fill``.
+    ``geometry`` is ``(source, shape, strides, offset, layout, fill)``, the key the storage
+    builds (``torch_bridge.storage.key_strides``: a size-1 dimension's stride is 0). ``source``
+    is ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card", shape)``
+    when it is a pending result of that logical shape in its card layout (contiguous).
+    ``layout`` may be larger than the view (a size bucket): the positions past it hold ``fill``.
     """
-    shape = tuple(int(s) for s in t.shape)
-    stride = tuple(int(s) if n > 1 else 0 for s, n in zip(t.stride(), shape, strict=True))
+    source, shape, stride, offset, layout, fill = geometry
     if math.prod(shape) == 0:
         raise ValueError("spyre: no elements to gather")
-    return _program(source, shape, stride, int(t.storage_offset()), layout, fill)(src)
+    return _program(source, shape, stride, offset, layout, fill)(src)
 
 
 @functools.lru_cache(maxsize=4096)

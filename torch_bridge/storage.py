@@ -420,6 +420,12 @@ def as_card_buffer(
     return buf
 
 
+def key_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides as a key of its geometry: a dimension of size 1 has none (``x[:, -1:]``
+    of any length is one geometry)."""
+    return tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True))
+
+
 def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:
     """``t`` in ``layout`` as a card array gathered on the card (:mod:`torch_bridge.relayout`)
     from its pending result or its storage's bytes, so the host does not wait; a read of host
@@ -427,18 +433,12 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     relayout = _relayout()
     pend = r.pending
     card = pend is not None and pend[2] == t.dtype and pend[3] is None
-    geometry = (
-        ("card", pend[1].shape) if card else ("bytes", t.dtype),
-        tuple(t.shape),
-        tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True)),
-        t.storage_offset(),
-        layout,
-        fill,
-    )
+    source = ("card", pend[1].shape) if card else ("bytes", t.dtype)
+    geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
     if not relayout.worth_compiling(geometry):
         return _host_gathered(t, layout, fill)
     if card:
-        return relayout.gather(pend[0], ("card", pend[1].shape), t, layout, fill)
+        return relayout.gather(pend[0], geometry)
     payload = r.device_bytes()
     key = ("bytes",)
     hit = r.views.get(key)
@@ -447,7 +447,7 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     else:
         raw = relayout.host_bytes(payload)
         r.views[key] = (r.buf.version, raw)
-    out = relayout.gather(raw, ("bytes", t.dtype), t, layout, fill)
+    out = relayout.gather(raw, geometry)
     r.readers.append(out)
     return out
 
