@@ -52,6 +52,15 @@ class CardSpec:
             CARD.md) moves 32 MiB (each row loaded once, kept in scratchpad, stored once), which
             implies 128.6 GB/s, 63% of 204.8 GB/s; 0.65 rounds that. DRAM rarely sustains its
             peak (refresh, bank and read/write turnarounds); the real figure is not published.
+        memory_bw_one_way: 150 GB/s, the device-memory rate a kernel that only reads or only
+            writes sustains. Public, calibrated: torch-spyre's cost model, fitted on 1535 kernel
+            configurations measured on the card (``compiler/cost_model.md``; CARD.md). Sets the
+            external bound (:attr:`bound_flops`, ``cost_analysis()["bound_us"]``).
+        memory_bw_balanced: 105 GB/s, the same when reads and writes are balanced. Public,
+            calibrated (same source).
+        pe_macs_per_ns_per_core: 1140 multiply-accumulates per ns per core, the PE rate matmuls
+            sustain (the datasheet's 1536 is called about 33% optimistic). Public, calibrated
+            (same source). Sets the external bound's compute rate, 72.96 TFLOPS on 32 cores.
         streams_per_priority: 32 streams of each priority besides the default stream 0: ids
             1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
@@ -78,6 +87,9 @@ class CardSpec:
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
     device_memory_efficiency: float = 0.65
+    memory_bw_one_way: float = 150e9
+    memory_bw_balanced: float = 105e9
+    pe_macs_per_ns_per_core: float = 1140.0
     streams_per_priority: int = 32
     dl16_rounding: bool = False
 
@@ -118,6 +130,19 @@ class CardSpec:
     def peak_flops(self) -> float:
         """Peak fp16 flops of the card (98.304 TFLOPS with the defaults)."""
         return self.pe_flops_per_cycle_per_core * self.num_cores * self.clock_hz
+
+    @property
+    def bound_flops(self) -> float:
+        """The sustained fp16 flops of the card's PEs (72.96 TFLOPS with the defaults): twice
+        ``pe_macs_per_ns_per_core`` per ns, times the cores."""
+        return 2 * self.pe_macs_per_ns_per_core * 1e9 * self.num_cores
+
+    def bound_seconds(self, flops: float, min_bytes: float) -> float:
+        """The external bound of a kernel: ``max(min_bytes / memory_bw_one_way, flops /
+        bound_flops)``, its minimal device traffic (each input read once, each output written
+        once) at the measured one-way rate, or its flops at the sustained PE rate (CARD.md,
+        "Roofline of the card")."""
+        return max(min_bytes / self.memory_bw_one_way, flops / self.bound_flops)
 
     @property
     def ring_bw_per_direction(self) -> float:

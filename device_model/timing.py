@@ -192,6 +192,17 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         for u, b in busy.items()
     }
     bound = max(busy, key=lambda u: busy[u]) if total else "none"
+    # the external bound: each input read once, each output written once, or the flops at the
+    # sustained PE rate (CardSpec.bound_seconds); the schedule's time over it
+    flops = float(sum(s["flops"] for s in stages))
+    min_bytes = float(
+        sum(
+            math.prod(t.layout.shape) * DTYPES[t.layout.dtype]
+            for t in k.tensors
+            if t.role in ("input", "output", "const")
+        )
+    )
+    bound_s = card.bound_seconds(flops, min_bytes)
     out = {
         "flops": float(sum(s["flops"] for s in stages)),
         "device_bytes": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
@@ -207,6 +218,9 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         "num_stages": len(stages),
         "breakdown": breakdown,
         "bound": bound,
+        "min_device_bytes": min_bytes,
+        "bound_us": bound_s * 1e6,
+        "bound_ratio": (total / bound_s) if bound_s else float("nan"),
         "stages": stages,
     }
     return out

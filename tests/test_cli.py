@@ -200,3 +200,17 @@ def test_fuzz_shrinks_each_disagreement_and_exits_one(monkeypatch, capsys):
     assert d["case"] == "Case(rows=1, cols=1, prog=[('unary', 0, 'tanh')], seed=0, k=0)"
     assert cli.main(["fuzz", "--examples", "40", "--real-shapes", "off"]) == 1
     assert "run_program(Case(rows=1, cols=1, prog=[('unary', 0, 'tanh')]" in capsys.readouterr().out
+
+
+def test_bench_calibrate_json(capsys):
+    # a published case: our schedule's time, the card's, the external bound (CARD.md's 90.9 us
+    # for this matmul: 13.6 MB at 150 GB/s) and the ratios
+    argv = ["bench", "calibrate", "--models", "matmul-512x4096x1024", "--json"]
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)["matmul-512x4096x1024"]
+    assert r["measured_us"] == 90.0 and r["model_us"] > 0
+    assert abs(r["bound_us"] - 90.9) < 0.1
+    assert r["model_over_measured"] == pytest.approx(r["model_us"] / 90.0)
+    assert r["bound_ratio"] >= 1.0 and r["bound_unit"] in ("PE", "load/store", "ring", "SFU")
+    with pytest.raises(ValueError, match="softmax-4096x2048"):
+        cli.main(["bench", "calibrate", "--models", "nope"])

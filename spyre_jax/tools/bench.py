@@ -18,7 +18,7 @@ import torch
 import spyre_jax
 from torch_bridge import backend as tb
 
-from . import bench_eager, bench_models, bench_serve
+from . import bench_calibrate, bench_eager, bench_models, bench_serve
 from .demo import demo_block, gpt2_small
 
 __all__ = [
@@ -204,6 +204,11 @@ def bench_torch(reps: int = 3) -> dict[str, dict[str, Any]]:
 def main(args: Any) -> int:
     """``spyre-jax bench WHICH``: run one benchmark and print its table or JSON (``args``: the
     command line's parsed arguments)."""
+    if args.which == "calibrate":
+        names = args.models.split(",") if args.models else None
+        res = bench_calibrate.bench_calibrate(names)
+        print(json.dumps(res) if args.json else bench_calibrate.format_calibrate(res))
+        return 0
     if args.which == "eager":
         res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)
         print(json.dumps(res) if args.json else bench_eager.format_eager(res))
