@@ -46,18 +46,17 @@ class CardSpec:
             timing-model work against the measured softmax.
         sfu_ops_per_elem_transcendental: 4 SFU passes for exp/log/tanh/erf/logistic/rsqrt/...
             Assumption (not published).
-        device_memory_efficiency: 0.65. The fraction of the peak device-memory bandwidth that
-            the load/store units' streaming traffic achieves. Assumption, calibrated: the one
-            published kernel measurement (a 4096 x 2048 fp16 softmax, 261 us on 32 cores;
-            CARD.md) moves 32 MiB (each row loaded once, kept in scratchpad, stored once), which
-            implies 128.6 GB/s, 63% of 204.8 GB/s; 0.65 rounds that. DRAM rarely sustains its
-            peak (refresh, bank and read/write turnarounds); the real figure is not published.
         memory_bw_one_way: 150 GB/s, the device-memory rate a kernel that only reads or only
             writes sustains. Public, calibrated: torch-spyre's cost model, fitted on 1535 kernel
             configurations measured on the card (``compiler/cost_model.md``; CARD.md). Sets the
             external bound (:attr:`bound_flops`, ``cost_analysis()["bound_us"]``).
-        memory_bw_balanced: 105 GB/s, the same when reads and writes are balanced. Public,
-            calibrated (same source).
+        memory_bw_balanced: 128.6 GB/s, the same when reads and writes are balanced. Derived
+            from the one direct measurement of such a kernel: a 4096 x 2048 fp16 softmax on 32
+            cores took 261 us (CARD.md) while reading and writing 16 MiB each, 128.6 GB/s.
+            torch-spyre's fit gives 105 GB/s, which predicts that softmax at 320 us, and its
+            reference database lists 390 us for it: the sources disagree, and this follows the
+            direct measurement. Between the two rates the achieved bandwidth depends on the
+            read share of a stage's traffic (:meth:`memory_bw`).
         pe_macs_per_ns_per_core: 1140 multiply-accumulates per ns per core, the PE rate matmuls
             sustain (the datasheet's 1536 is called about 33% optimistic). Public, calibrated
             (same source). Sets the external bound's compute rate, 72.96 TFLOPS on 32 cores.
@@ -86,9 +85,8 @@ class CardSpec:
     pcie_bw: float = 64e9
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
-    device_memory_efficiency: float = 0.65
     memory_bw_one_way: float = 150e9
-    memory_bw_balanced: float = 105e9
+    memory_bw_balanced: float = 128.6e9
     pe_macs_per_ns_per_core: float = 1140.0
     streams_per_priority: int = 32
     dl16_rounding: bool = False
@@ -102,8 +100,10 @@ class CardSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ValueError(f"CardSpec.{f.name} must be a positive number, got {v!r}")
-        if self.device_memory_efficiency > 1:
-            raise ValueError("CardSpec.device_memory_efficiency must be at most 1")
+        if not self.memory_bw_balanced <= self.memory_bw_one_way <= self.device_memory_bw:
+            raise ValueError(
+                "CardSpec: memory_bw_balanced <= memory_bw_one_way <= device_memory_bw must hold"
+            )
         if self.scratchpad_usable_frac > 1:
             raise ValueError("CardSpec.scratchpad_usable_frac must be at most 1")
         if self.device_memory_ecc_bytes >= self.device_memory_bytes:
@@ -136,6 +136,13 @@ class CardSpec:
         """The sustained fp16 flops of the card's PEs (72.96 TFLOPS with the defaults): twice
         ``pe_macs_per_ns_per_core`` per ns, times the cores."""
         return 2 * self.pe_macs_per_ns_per_core * 1e9 * self.num_cores
+
+    def memory_bw(self, read_fraction: float) -> float:
+        """The device-memory bandwidth a stage achieves when ``read_fraction`` of its bytes are
+        reads: ``memory_bw_one_way`` for reads or writes only, ``memory_bw_balanced`` for an
+        even mix, linear in between (read/write turnarounds grow with the mix)."""
+        mix = 1.0 - abs(2.0 * min(max(read_fraction, 0.0), 1.0) - 1.0)
+        return self.memory_bw_one_way - (self.memory_bw_one_way - self.memory_bw_balanced) * mix
 
     def bound_seconds(self, flops: float, min_bytes: float) -> float:
         """The external bound of a kernel: ``max(min_bytes / memory_bw_one_way, flops /

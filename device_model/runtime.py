@@ -413,7 +413,7 @@ def device_copy(
         name,
         reads=tuple(b.addr for b in reads),
         writes=tuple(b.addr for b in writes),
-        duration=2 * nbytes / (card.device_memory_bw * card.device_memory_efficiency),
+        duration=2 * nbytes / card.memory_bw(0.5),  # one read and one write of each byte
         nbytes=nbytes,
     )
 

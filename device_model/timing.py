@@ -3,7 +3,7 @@
 Per stage and step ``t`` the model counts, from the schedule's own tables:
 
 * ``L_t``: bytes loaded from device memory (whole blocks; gathers add their indirect rows),
-  ``S_t``: bytes stored, both against the shared device-memory bandwidth ``device_memory_bw``;
+  ``S_t``: bytes stored, both against the shared device-memory bandwidth ``bw`` (below);
 * ``R_t``: ring time, the busiest directed ring link's bytes over ``ring_bytes_per_cycle`` per
   cycle (each forward takes the shorter way round the ring);
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) over
@@ -11,9 +11,9 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
 
 Double buffering overlaps step t's compute with step t+1's loads and step t's stores:
 ``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + S_t)/bw)``; stages run one after another.
-``bw`` is the *achieved* device-memory bandwidth, ``device_memory_bw x device_memory_efficiency``
-(both :class:`~device_model.card.CardSpec` fields; the efficiency is the one calibrated figure, see
-its docstring).
+``bw`` is the *achieved* device-memory bandwidth, which depends on the stage's read/write mix
+(:meth:`~device_model.card.CardSpec.memory_bw`): 150 GB/s for reads or writes only, 128.6 GB/s
+for an even mix (calibrated figures, see the :class:`~device_model.card.CardSpec` docstring).
 
 ``kernel_cost`` adds a per-unit breakdown: busy and idle time of the PEs, the SFUs, the load/store
 units (device-memory traffic) and the ring over the kernel, and the unit that bounds it (the
@@ -118,7 +118,8 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         rate = card.sfu_elems_per_cycle * card.corelets_per_core
         c_step = per_core / rate / card.clock_hz
     C = np.full(T, c_step)
-    bw = card.device_memory_bw * card.device_memory_efficiency
+    moved = float(L.sum() + S.sum())
+    bw = card.memory_bw(float(L.sum()) / moved if moved else 1.0)
     nxt_l = np.concatenate([L[1:], [0.0]])
     nxt_r = np.concatenate([R[1:], [0.0]])
     single = T > 1 and any(s.sp(op.sp).slots == 1 for op in s.inputs)
@@ -195,11 +196,12 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     # the external bound: each input read once, each output written once, or the flops at the
     # sustained PE rate (CardSpec.bound_seconds); the schedule's time over it
     flops = float(sum(s["flops"] for s in stages))
+    ends = set(k.inputs) | set(k.outputs)  # an output may be a view of a temp (a free reshape)
     min_bytes = float(
         sum(
             math.prod(t.layout.shape) * DTYPES[t.layout.dtype]
             for t in k.tensors
-            if t.role in ("input", "output", "const")
+            if t.name in ends or t.role == "const"
         )
     )
     bound_s = card.bound_seconds(flops, min_bytes)

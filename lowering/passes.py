@@ -266,6 +266,62 @@ def nt_matmul(g: Graph) -> Graph:
     return dce(Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts))
 
 
+_NARROW = ("float16", "bfloat16")
+
+
+def narrow_matmul(g: Graph) -> Graph:
+    """A matmul that accumulates in fp32 only to be converted to fp16 or bf16 (JAX's
+    ``preferred_element_type=jnp.float32`` then ``.astype``, possibly through a reshape) stores
+    the narrow dtype itself: ``matmul[dtype=float16]``. Its accumulator stays fp32 and is rounded
+    once on the way out, as the convert rounds it, so the results are the same. The fp32 tensor
+    never reaches device memory (half the output traffic, and no separate convert stage)."""
+    uses: dict[int, int] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            uses[v.id] = uses.get(v.id, 0) + 1
+    for v in g.outputs:
+        uses[v.id] = uses.get(v.id, 0) + 1
+    made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
+    replace: dict[int, list[Node]] = {}  # convert node id -> its replacement nodes
+    drop: set[int] = set()
+    for c in g.nodes:
+        if c.op != "convert" or c.p("dtype") not in _NARROW:
+            continue
+        (x,) = c.inputs
+        src = made.get(x.id)
+        mid = None
+        if src is not None and src.op == "reshape" and uses.get(x.id) == 1:
+            mid, src = src, made.get(src.inputs[0].id)
+        if (
+            src is None
+            or src.op != "matmul"
+            or src.out.dtype != "float32"
+            or uses.get(src.out.id) != 1
+        ):
+            continue
+        dt = c.p("dtype")
+        ps = params(**{**dict(src.params), "dtype": dt})
+        if mid is None:
+            nodes = [Node("matmul", src.inputs, c.outputs, ps, src.source)]
+        else:
+            m = Var(src.out.shape, dt)
+            nodes = [
+                Node("matmul", src.inputs, (m,), ps, src.source),
+                Node("reshape", (m,), c.outputs, mid.params, mid.source),
+            ]
+            drop.add(id(mid))
+        drop.add(id(src))
+        replace[id(c)] = nodes
+    if not replace:
+        return g
+    out: list[Node] = []
+    for n in g.nodes:
+        if id(n) in drop:
+            continue
+        out.extend(replace.get(id(n), [n]))
+    return Graph(g.name, g.inputs, tuple(out), g.outputs, g.consts)
+
+
 def to_maps(g: Graph, card: CardSpec) -> Graph:
     """Every SFU-side op becomes a single-op ``map`` node (a reshape that is free on ``card``'s
     layouts stays a reshape). Values with no elements are folded first (:func:`fold_empty`)."""

@@ -17,7 +17,7 @@ from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
 
 from .graph import Graph, check_graph
-from .passes import dce, fuse_maps, nt_matmul, to_maps
+from .passes import dce, fuse_maps, narrow_matmul, nt_matmul, to_maps
 from .schedule import map_fits, schedule
 
 __all__ = ["compile_graph", "graph_passes"]
@@ -41,6 +41,7 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
     fits = functools.partial(map_fits, card=card)
     return (
         ("nt_matmul", nt_matmul),
+        ("narrow_matmul", narrow_matmul),
         ("to_maps", functools.partial(to_maps, card=card)),
         ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),
         ("dce", dce),

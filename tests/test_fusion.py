@@ -300,3 +300,48 @@ def test_fusion_keeps_the_work_count(f, same):
     for attr in ("flops", "sfu_elem_ops"):
         got, want = getattr(fused.stages[0], attr), sum(getattr(s, attr) for s in unfused.stages)
         assert got == want if same else 0 < got < want, attr
+
+
+def _mixed(a, b):
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_fp32_accumulating_matmul_stores_the_narrow_dtype(dtype, monkeypatch):
+    # matmul(fp32) -> convert(fp16/bf16) is one matmul that rounds its fp32 accumulator once on
+    # the way out, as the convert does: the same bits as the two stages, no fp32 tensor in
+    # device memory
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((96, 320)), dtype)
+    b = jnp.asarray(rng.standard_normal((320, 200)), dtype)
+    got = np.asarray(spyre_jax.jit(_mixed)(a, b)).astype(np.float32)
+    # against the CPU: fp32 sums in another order, then one rounding (half an ulp each way)
+    want = np.asarray(jax.jit(_mixed)(a, b)).astype(np.float32)
+    ulp = 2.0 ** -10 if dtype == jnp.float16 else 2.0 ** -7
+    np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp)
+    import lowering.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "narrow_matmul", lambda g: g)  # the two-stage schedule
+    two = np.asarray(spyre_jax.jit(lambda x, y: _mixed(x, y))(a, b)).astype(np.float32)
+    np.testing.assert_array_equal(got, two)
+    monkeypatch.undo()
+    g = compile_graph(from_jaxpr(jax.make_jaxpr(_mixed)(a, b), name="mixed"), CardSpec())
+    assert [s.kind for s in g.stages] == ["matmul"]
+    assert {t.layout.dtype for t in g.tensors} == {np.dtype(dtype).name}
+
+
+def test_an_fp32_product_read_elsewhere_stays_fp32():
+    # the fp32 result is returned too: the convert stays a stage of its own
+    def f(a, b):
+        p = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+        return p, p.astype(jnp.float16)
+
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((64, 128)), jnp.float16)
+    b = jnp.asarray(rng.standard_normal((128, 64)), jnp.float16)
+    got32, got16 = spyre_jax.jit(f)(a, b)
+    want32, want16 = jax.jit(f)(a, b)
+    np.testing.assert_array_equal(np.asarray(got16), np.asarray(want16))
+    np.testing.assert_allclose(np.asarray(got32), np.asarray(want32), rtol=1e-5, atol=1e-3)
+    g = compile_graph(from_jaxpr(jax.make_jaxpr(f)(a, b), name="both"), CardSpec())
+    assert "float32" in {t.layout.dtype for t in g.tensors}
