@@ -317,7 +317,7 @@ def test_fp32_accumulating_matmul_stores_the_narrow_dtype(dtype, monkeypatch):
     got = np.asarray(spyre_jax.jit(_mixed)(a, b)).astype(np.float32)
     # against the CPU: fp32 sums in another order, then one rounding (half an ulp each way)
     want = np.asarray(jax.jit(_mixed)(a, b)).astype(np.float32)
-    ulp = 2.0 ** -10 if dtype == jnp.float16 else 2.0 ** -7
+    ulp = 2.0**-10 if dtype == jnp.float16 else 2.0**-7
     np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp)
     import lowering.pipeline as pipeline
 
