@@ -59,7 +59,8 @@ class CardSpec:
             read share of a stage's traffic (:meth:`memory_bw`).
         pe_macs_per_ns_per_core: 1140 multiply-accumulates per ns per core, the PE rate matmuls
             sustain (the datasheet's 1536 is called about 33% optimistic). Public, calibrated
-            (same source). Sets the external bound's compute rate, 72.96 TFLOPS on 32 cores.
+            (same source). The timing model's PE rate (:attr:`pe_flops_sustained_per_core`, at
+            most the array's nominal rate) and the external bound's, 72.96 TFLOPS on 32 cores.
         streams_per_priority: 32 streams of each priority besides the default stream 0: ids
             1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
@@ -130,6 +131,14 @@ class CardSpec:
     def peak_flops(self) -> float:
         """Peak fp16 flops of the card (98.304 TFLOPS with the defaults)."""
         return self.pe_flops_per_cycle_per_core * self.num_cores * self.clock_hz
+
+    @property
+    def pe_flops_sustained_per_core(self) -> float:
+        """The fp16 flops per second one core's PEs sustain on a matmul: the PE array's rate
+        scaled by the published sustained MAC rate over the array's nominal one (1140 of
+        1536 MAC/ns: 2.28 TFLOPS of the 3.07 the array peaks at with the defaults)."""
+        nominal = self.pe_flops_per_cycle_per_core * self.clock_hz
+        return min(nominal, 2 * self.pe_macs_per_ns_per_core * 1e9)
 
     @property
     def bound_flops(self) -> float:

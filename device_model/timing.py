@@ -6,8 +6,9 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
   ``S_t``: bytes stored, both against the shared device-memory bandwidth ``bw`` (below);
 * ``R_t``: ring time, the busiest directed ring link's bytes over ``ring_bytes_per_cycle`` per
   cycle (each forward takes the shorter way round the ring);
-* ``C_t``: the slowest core's compute: PE flops (on padded sticks) over
-  ``pe_flops_per_cycle_per_core``, SFU element-ops over ``sfu_elems_per_cycle`` x corelets.
+* ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
+  ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
+  ``sfu_elems_per_cycle`` x corelets.
 
 Double buffering overlaps step t's compute with step t+1's loads and step t's stores:
 ``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + S_t)/bw)``; stages run one after another.
@@ -110,7 +111,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         lhs, rhs = s.inputs
         tm, tkp = lhs.block[1], lhs.block[2]
         tn = rhs.block[1] if params.rhs_t else rhs.block[2]
-        c_step = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+        c_step = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core
     elif kind == "map":
         body, space_block = params[0], params[1]
         elems = math.prod(space_block)

@@ -338,8 +338,8 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         uniq_b = min(per_step_tiles, gn)
         load = (
             uniq_a * tm * tkp * la.itemsize + uniq_b * tkr * tn * lb.itemsize
-        ) / card.device_memory_bw
-        comp = 2 * tm * tn * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+        ) / card.memory_bw_one_way
+        comp = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core
         est = load + (steps - 1) * max(load, comp) + comp + steps * _STEP_OVERHEAD_S
         cands_all.append((est, steps, tm, (tn, tno), tk))
     if cands_all:

@@ -85,9 +85,9 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
         uniq_a = np.minimum(per, np.maximum(1, -(-per // gn)))
         uniq_b = np.minimum(per, gn)
         load = (uniq_a * TM * tkp * la.itemsize + uniq_b * tkr * tn_r * lb.itemsize) / (
-            card.device_memory_bw
+            card.memory_bw_one_way
         )
-        comp = 2 * TM * tn_r * tkp / card.pe_flops_per_cycle_per_core / card.clock_hz
+        comp = 2 * TM * tn_r * tkp / card.pe_flops_sustained_per_core
         over = 0.0 if not single else 1.0
         est = load + (steps - 1) * (np.maximum(load, comp) + over * np.minimum(load, comp))
         est = est + comp + steps * _STEP_OVERHEAD_S
