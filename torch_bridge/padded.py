@@ -672,33 +672,33 @@ class _Padder(torch.fx.Interpreter):
         the padded dim is the group's outermost, on both sides."""
         a = [_expr(s) for s in im.shape]
         b = [_expr(s) for s in om.shape]
-        i = j = 0
-        while i < len(a) or j < len(b):
-            ga, gb = [], []
+        pos = [0, 0]  # the next dim of a and of b
+        dims = (a, b)
+
+        def take(side: int, group: list, prod: Any) -> Any:
+            x = dims[side][pos[side]]
+            group.append(x)
+            pos[side] += 1
+            return prod * x
+
+        while pos[0] < len(a) or pos[1] < len(b):
+            ga: list = []
+            gb: list = []
             pa = pb = sympy.Integer(1)
-            if i < len(a):
-                ga.append(a[i])
-                pa = pa * a[i]
-                i += 1  # noqa: E702
-            if j < len(b):
-                gb.append(b[j])
-                pb = pb * b[j]
-                j += 1  # noqa: E702
+            if pos[0] < len(a):
+                pa = take(0, ga, pa)
+            if pos[1] < len(b):
+                pb = take(1, gb, pb)
             guard = 0
             while sympy.expand(pa - pb) != 0:
                 guard += 1
-                if guard > 64:
+                more_a, more_b = pos[0] < len(a), pos[1] < len(b)
+                if guard > 64 or not (more_a or more_b):
                     raise NotBucketable(f"view ({n.name}): cannot group {a} into {b}")
-                if (i < len(a)) and (j >= len(b) or _le(pa, pb)):
-                    ga.append(a[i])
-                    pa = pa * a[i]
-                    i += 1  # noqa: E702
-                elif j < len(b):
-                    gb.append(b[j])
-                    pb = pb * b[j]
-                    j += 1  # noqa: E702
+                if more_a and (not more_b or _le(pa, pb)):
+                    pa = take(0, ga, pa)
                 else:
-                    raise NotBucketable(f"view ({n.name}): cannot group {a} into {b}")
+                    pb = take(1, gb, pb)
             for g in (ga, gb):
                 big = [s for s in g if s != 1]
                 syms = [s for s in big if _symbolic(s)]
