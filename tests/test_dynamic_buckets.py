@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_dynamic_shapes import generate_counting_compiles, tiny_causal_lm
 
 from torch_bridge import backend as tb
 from torch_bridge.dynamic import DynamicGraph
@@ -125,45 +126,13 @@ def test_a_view_that_interleaves_padding_runs_per_exact_size():
     assert dyn.compiles == 2
 
 
-def _tiny(kind: str):
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300)
-        return transformers.GPT2LMHeadModel(cfg).eval()
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-    )
-    if kind == "qwen2":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_generate_64_tokens_with_the_dynamic_cache(kind):
     # greedy decoding through torch.compile with transformers' default (dynamic) KV cache: the
     # tokens of eager CPU; decode steps share one kernel per bucket of the KV length, and a
     # second prompt of another length compiles at most two new graphs
-    torch._dynamo.reset()
-    tb.reset_fallback_stats()
-    model = _tiny(kind)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in (7, 11)]
-    kw = dict(max_new_tokens=64, do_sample=False)
-    with torch.no_grad():
-        want = [model.generate(p, **kw) for p in prompts]
-        model.forward = torch.compile(model.forward, backend="spyre")
-        counts = []
-        for p, w in zip(prompts, want, strict=True):
-            before = tb.compile_stats()["graphs"]
-            assert torch.equal(model.generate(p, **kw), w)
-            counts.append(tb.compile_stats()["graphs"] - before)
+    model = tiny_causal_lm(kind)
+    counts = generate_counting_compiles(model, (7, 11), seed=1, max_new_tokens=64)
     assert counts[1] <= 2, counts
     graphs = _graphs()
     assert graphs and all(g.bucketed for g in graphs), [g.reason for g in graphs]
@@ -173,13 +142,8 @@ def test_generate_64_tokens_with_the_dynamic_cache(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
 def test_generate_64_tokens_with_the_static_cache(kind):
-    torch._dynamo.reset()
-    tb.reset_fallback_stats()
-    model = _tiny(kind)
-    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(3))
-    kw = dict(max_new_tokens=64, do_sample=False, cache_implementation="static")
-    with torch.no_grad():
-        want = model.generate(ids, **kw)
-        model.forward = torch.compile(model.forward, backend="spyre")
-        assert torch.equal(model.generate(ids, **kw), want)
+    model = tiny_causal_lm(kind)
+    generate_counting_compiles(
+        model, (9,), seed=3, max_new_tokens=64, cache_implementation="static"
+    )
     assert tb.fallback_stats() == {}

@@ -77,14 +77,18 @@ def test_mark_dynamic_on_a_spyre_tensor():
             torch.testing.assert_close(got.cpu(), f(x), atol=1e-4, rtol=1e-4)
 
 
-def _tiny_llama():
-    """A one-layer Llama of width 64 (random weights), with fresh Dynamo and backend counters."""
+def tiny_causal_lm(kind: str = "llama"):
+    """A one-layer causal LM of width 64 from ``transformers`` (random weights): ``llama``,
+    ``qwen2`` or ``gpt2``; with fresh Dynamo and backend counters."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     torch._dynamo.reset()
     tb.reset_fallback_stats()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    common = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=1,
@@ -92,13 +96,33 @@ def _tiny_llama():
         num_key_value_heads=2,
         vocab_size=300,
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+
+
+def generate_counting_compiles(model, lengths: tuple[int, ...], seed: int, **kw) -> list[int]:
+    """Greedy decoding of a prompt of each length, eagerly on the CPU and then with
+    ``model.forward`` compiled for the card: the tokens must be equal; the graphs each prompt
+    compiled."""
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(do_sample=False, **kw)
+    counts = []
+    with torch.no_grad():
+        prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in lengths]
+        want = [model.generate(p, **kw) for p in prompts]
+        model.forward = torch.compile(model.forward, backend="spyre")
+        for p, w in zip(prompts, want, strict=True):
+            before = tb.compile_stats()["graphs"]
+            assert torch.equal(model.generate(p, **kw), w)
+            counts.append(tb.compile_stats()["graphs"] - before)
+    return counts
 
 
 def test_generate_with_the_dynamic_cache_gives_eager_tokens():
     # regression: the second decode step failed with "graph input sym_size_int_1 is not a
     # tensor" (Dynamo marks the KV length dynamic)
-    model = _tiny_llama()
+    model = tiny_causal_lm()
     ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=5, do_sample=False)
@@ -112,18 +136,9 @@ def test_generate_with_the_dynamic_cache_gives_eager_tokens():
 def test_a_second_prompt_length_compiles_at_most_two_kernels():
     # the static KV cache: a prompt of a new length needs its prefill kernel and, since the
     # cache is sized prompt + new tokens, the decode kernel of that cache; nothing per step
-    model = _tiny_llama()
-    gen = torch.Generator().manual_seed(2)
-    kw = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
-    with torch.no_grad():
-        prompts = [torch.randint(0, 300, (1, n), generator=gen) for n in (7, 11)]
-        want = [model.generate(p, **kw) for p in prompts]
-        model.forward = torch.compile(model.forward, backend="spyre")
-        counts = []
-        for p, w in zip(prompts, want, strict=True):
-            before = tb.compile_stats()["graphs"]
-            assert torch.equal(model.generate(p, **kw), w)
-            counts.append(tb.compile_stats()["graphs"] - before)
+    model = tiny_causal_lm()
+    kw = dict(max_new_tokens=6, cache_implementation="static")
+    counts = generate_counting_compiles(model, (7, 11), seed=2, **kw)
     assert counts[0] == 2 and counts[1] <= 2, counts
     assert tb.fallback_stats() == {}
 

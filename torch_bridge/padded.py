@@ -277,6 +277,7 @@ class _BucketKernel:
                 _allow_non_fake_inputs=True,
             )(*fakes, lens_fake)
         self.out_specs = padder.out_specs
+        self.in_shapes = [self.shape(phs[i].meta["val"]) for i in self.tensor_ix]
         self.padding_flops_fn = padder.padding_flops
         copy_sources(plan.gm, static)
         fold_constants(static)
@@ -292,27 +293,34 @@ class _BucketKernel:
         e = _expr(s)
         return self._static[e] if _symbolic(e) else int(e)
 
-    def lens(self, values: tuple[int, ...]) -> tuple[torch.Tensor, list]:
+    def sizes(self, values: tuple[int, ...]) -> tuple[torch.Tensor, list, list, int]:
+        """What the symbols' ``values`` make of the graph, evaluated once per set of values
+        (sympy is slow on a decode loop's path): the runtime size vector, each result's real
+        shape (None for a scalar result), each result's value where it is a size, and the
+        flops spent on padding."""
         hit = self._memo.get(values)
         if hit is None:
             env = {s: sympy.Integer(v) for s, v in zip(self.plan.symbols, values, strict=True)}
             rt = [_subs(e, env) for e in self.plan.exprs]
             vec = torch.tensor([int(x) for x in rt] or [0], dtype=torch.int64)
-            hit = (vec, rt)
+            shapes = [
+                [_subs(e, env) for e in spec[1]] if spec[0] == "tensor" else None
+                for spec in self.out_specs
+            ]
+            scalars = [
+                _subs(spec[1], env) if spec[0] == "sym" else spec[1] for spec in self.out_specs
+            ]
+            hit = (vec, shapes, scalars, self.padding_flops_fn(env))
             if len(self._memo) < 4096:
                 self._memo[values] = hit
         return hit
 
     def __call__(self, args: Sequence[Any], values: tuple[int, ...]) -> Any:
-        vec, rt = self.lens(values)
-        env = dict(zip(self.plan.exprs, rt, strict=True))
-        symenv = {s: sympy.Integer(v) for s, v in zip(self.plan.symbols, values, strict=True)}
+        vec, shapes, scalars, flops = self.sizes(values)
         pad_bytes = 0
         ins: list[Any] = []
-        phs = self.plan.placeholders
-        for i in self.tensor_ix:
+        for i, want in zip(self.tensor_ix, self.in_shapes, strict=True):
             a = args[i]
-            want = self.shape(phs[i].meta["val"])
             if list(a.shape) != want:
                 p = a.new_zeros(want)
                 p[tuple(slice(0, n) for n in a.shape)] = a
@@ -321,26 +329,20 @@ class _BucketKernel:
             ins.append(a)
         ins.append(vec)
         outs = self.run(*ins)
-        outs = outs if isinstance(outs, list | tuple) else (outs,)
+        outs = iter(outs if isinstance(outs, list | tuple) else (outs,))
         results: list[Any] = []
-        k = 0
-        for spec in self.out_specs:
-            if spec[0] == "sym":
-                results.append(_subs(spec[1], symenv))
+        for real, scalar in zip(shapes, scalars, strict=True):
+            if real is None:
+                results.append(scalar)
                 continue
-            if spec[0] == "const":
-                results.append(spec[1])
-                continue
-            t = outs[k]
-            k += 1
-            real = [env[e] if _symbolic(e) else int(e) for e in spec[1]]
+            t = next(outs)
             if list(t.shape) != real:
                 pad_bytes += (t.numel() - math.prod(real)) * t.element_size()
                 for d, n in enumerate(real):
                     if t.shape[d] != n:
                         t = t.narrow(d, 0, n)
             results.append(t)
-        self.last = {"padding_bytes": pad_bytes, "padding_flops": self.padding_flops_fn(symenv)}
+        self.last = {"padding_bytes": pad_bytes, "padding_flops": flops}
         return results
 
     def cost_analysis(self) -> dict[str, Any]:
