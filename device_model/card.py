@@ -61,6 +61,20 @@ class CardSpec:
             sustain (the datasheet's 1536 is called about 33% optimistic). Public, calibrated
             (same source). The timing model's PE rate (:attr:`pe_flops_sustained_per_core`, at
             most the array's nominal rate) and the external bound's, 72.96 TFLOPS on 32 cores.
+        bmm_macs_per_ns_per_core: 160 multiply-accumulates per ns per core for a batched matmul
+            in the real stack's default layout, where the batch dim is not outermost. Public,
+            calibrated (torch-spyre's cost model; CARD.md).
+        bmm_batch_outer_speedup: 8.3, how much faster the same batched matmul runs with the
+            batch dim outermost. Public (same source). Our layouts keep the batch dim outermost
+            (row-major, the stick along the last dim), so a batched matmul's PE rate is
+            ``bmm_macs_per_ns_per_core x bmm_batch_outer_speedup`` (1328 per ns), capped by the
+            sustained rate: :attr:`pe_flops_batched_per_core`.
+        relayout_bw: 116 GB/s, the device-memory rate of a re-layout (restickify: a transpose
+            that moves the stick dim, a reshape across sticks). Public, calibrated (same
+            source). The timing model runs such stages at the lower of this and the mix rate.
+            The same fit's broadcast (118 GB/s) and cross-row reduction (113 GB/s) rates are not
+            used: the one direct measurement of a reduction kernel, the softmax above, ran at
+            128.6 GB/s, which the 113 GB/s rate would put at about 297 us instead of 261.
         streams_per_priority: 32 streams of each priority besides the default stream 0: ids
             1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
@@ -89,6 +103,9 @@ class CardSpec:
     memory_bw_one_way: float = 150e9
     memory_bw_balanced: float = 128.6e9
     pe_macs_per_ns_per_core: float = 1140.0
+    bmm_macs_per_ns_per_core: float = 160.0
+    bmm_batch_outer_speedup: float = 8.3
+    relayout_bw: float = 116e9
     streams_per_priority: int = 32
     dl16_rounding: bool = False
 
@@ -139,6 +156,14 @@ class CardSpec:
         1536 MAC/ns: 2.28 TFLOPS of the 3.07 the array peaks at with the defaults)."""
         nominal = self.pe_flops_per_cycle_per_core * self.clock_hz
         return min(nominal, 2 * self.pe_macs_per_ns_per_core * 1e9)
+
+    @property
+    def pe_flops_batched_per_core(self) -> float:
+        """The fp16 flops per second one core's PEs sustain on a batched matmul in our layouts
+        (the batch dim outermost): ``bmm_macs_per_ns_per_core x bmm_batch_outer_speedup`` MAC
+        per ns, at most :attr:`pe_flops_sustained_per_core` (which binds with the defaults)."""
+        outer = 2 * self.bmm_macs_per_ns_per_core * self.bmm_batch_outer_speedup * 1e9
+        return min(self.pe_flops_sustained_per_core, outer)
 
     @property
     def bound_flops(self) -> float:

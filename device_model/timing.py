@@ -10,11 +10,17 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
   ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
   ``sfu_elems_per_cycle`` x corelets.
 
-Double buffering overlaps step t's compute with step t+1's loads and step t's stores:
-``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + S_t)/bw)``; stages run one after another.
+Double buffering overlaps step t's compute with step t+1's loads and the stores in flight:
+``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + D_t)/bw)``, where ``D_t`` is the store
+bytes draining in step t's span: a step's stores spread over the spans up to the next step that
+stores (the output buffer's other slot), so an accumulating stage's stores of one round overlap
+the next round's K loop. Stages run one after another.
 ``bw`` is the *achieved* device-memory bandwidth, which depends on the stage's read/write mix
 (:meth:`~device_model.card.CardSpec.memory_bw`): 150 GB/s for reads or writes only, 128.6 GB/s
-for an even mix (calibrated figures, see the :class:`~device_model.card.CardSpec` docstring).
+for an even mix (calibrated figures, see the :class:`~device_model.card.CardSpec` docstring); a
+re-layout (a transpose moving the stick dim, a reshape across sticks) runs at no more than the
+published restickify rate, 116 GB/s. A batched matmul's PEs run at the published batched rate
+for the batch dim outermost, as our layouts keep it (capped by the sustained rate).
 
 ``kernel_cost`` adds a per-unit breakdown: busy and idle time of the PEs, the SFUs, the load/store
 units (device-memory traffic) and the ring over the kernel, and the unit that bounds it (the
@@ -61,6 +67,37 @@ def _ring_time(transfers: list[tuple[int, int, int, int]], card: CardSpec) -> fl
     if not links:
         return 0.0
     return max(links.values()) / card.ring_bytes_per_cycle / card.clock_hz
+
+
+def _drain(S: np.ndarray, slots: int) -> np.ndarray:
+    """The store bytes that drain during each step's span. A step's output block is stored
+    while the steps after it compute: with a double-buffered output (``slots`` > 1) the store
+    has until the next step that stores (whose block goes to the other slot) to finish, so its
+    bytes spread evenly over the spans up to that step. A stage that stores on every step
+    drains each store in its own span; an accumulating one (a matmul's K loop) spreads each
+    round's stores over the next round's steps. The last stores drain in the last span."""
+    if slots < 2 or not S.any():
+        return S
+    at = np.flatnonzero(S)
+    out = np.zeros_like(S)
+    ends = np.append(at[1:], len(S))
+    for t, e in zip(at.tolist(), ends.tolist(), strict=True):
+        out[t:e] += S[t] / (e - t)
+    return out
+
+
+def _is_relayout(s: Stage) -> bool:
+    """Whether a stage only moves data between stick layouts (a restickify): a reshape across
+    sticks, or a map that copies one input while moving its stick dim (a transpose)."""
+    if s.kind == "reshape":
+        return True
+    if s.kind != "map" or len(s.inputs) != 1:
+        return False
+    body = s.body[0][2][0]
+    if body.reduce or any(op != "copy" for op, *_ in body.program):
+        return False
+    dims = body.views[0].dims
+    return bool(dims) and dims[-1] != len(body.space) - 1
 
 
 def _block_bytes(block: tuple[int, ...], dtype: str) -> int:
@@ -111,7 +148,9 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         lhs, rhs = s.inputs
         tm, tkp = lhs.block[1], lhs.block[2]
         tn = rhs.block[1] if params.rhs_t else rhs.block[2]
-        c_step = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core
+        batched = s.grid[0] > 1  # [B, M, K] x [B, K, N] with B > 1: a batched matmul
+        rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
+        c_step = 2 * tm * tn * tkp / rate
     elif kind == "map":
         body, space_block = params[0], params[1]
         elems = math.prod(space_block)
@@ -121,13 +160,15 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     C = np.full(T, c_step)
     moved = float(L.sum() + S.sum())
     bw = card.memory_bw(float(L.sum()) / moved if moved else 1.0)
+    if _is_relayout(s):
+        bw = min(bw, card.relayout_bw)
     nxt_l = np.concatenate([L[1:], [0.0]])
     nxt_r = np.concatenate([R[1:], [0.0]])
     single = T > 1 and any(s.sp(op.sp).slots == 1 for op in s.inputs)
     if single:
         span = C + nxt_r + (nxt_l + S) / bw
     else:
-        span = np.maximum(np.maximum(C, nxt_r), (nxt_l + S) / bw)
+        span = np.maximum(np.maximum(C, nxt_r), (nxt_l + _drain(S, s.sp(s.output.sp).slots)) / bw)
     prologue = (L[0] / bw + R[0]) if T else 0.0
     ends = prologue + np.cumsum(span)
     total = float(ends[-1]) if T else prologue

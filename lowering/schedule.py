@@ -49,6 +49,7 @@ from device_model.ops import (
     reduce_identity,
 )
 from device_model.progress import Progress
+from device_model.timing import stage_cost
 
 from .errors import TilingError
 from .graph import Graph, Node, Var
@@ -289,6 +290,36 @@ def _map_plan(
     )
 
 
+#: how many of the estimator's best matmul tilings the timing model ranks (see _pick_matmul)
+MATMUL_RANKED = 6
+
+#: simulated times this close (relative) count as a tie, won by the tiling of fewer steps
+MATMUL_TIE = 0.02
+
+
+def _pick_matmul(
+    ctx: _Ctx,
+    cands: list[tuple[float, int, int, tuple[int, int], int, bool]],
+    build: Any,
+) -> Stage:
+    """The matmul tiling to use: the estimator's best few (``MATMUL_RANKED``) built and ranked
+    by the timing model itself, which sees what the
+    estimate does not (blocks shared by the cores of a step and multicast over the ring, the
+    read/write mix). Near ties (``MATMUL_TIE``) go to the fewer steps."""
+    shortlist = sorted(cands, key=lambda c: (c[0], c[1]))[:MATMUL_RANKED]
+    if len(shortlist) == 1:
+        _, _, tm, (tn, tno), tk, m_inner = shortlist[0]
+        return build(tm, tn, tno, tk, m_inner)
+    dtypes = ctx.dtypes()
+    timed = []
+    for _, steps, tm, (tn, tno), tk, m_inner in shortlist:
+        st = build(tm, tn, tno, tk, m_inner)
+        timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st))
+    fastest = min(t for t, _, _ in timed)
+    # within MATMUL_TIE of the fastest, the fewest steps (a shorter simulation, same time)
+    return min((c for c in timed if c[0] <= fastest * (1 + MATMUL_TIE)), key=lambda c: c[1])[2]
+
+
 def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
@@ -317,8 +348,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
     tm_c = _divisors(M)
     card = ctx.card
-    best = None
-    cands_all: list[tuple[float, int, int, tuple[int, int], int]] = []
+    cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
     for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
@@ -334,45 +364,57 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         if plan > ctx.cap:
             continue
         per_step_tiles = min(ntiles, ctx.ncores)
-        uniq_a = min(per_step_tiles, max(1, -(-per_step_tiles // gn)))
-        uniq_b = min(per_step_tiles, gn)
-        load = (
-            uniq_a * tm * tkp * la.itemsize + uniq_b * tkr * tn * lb.itemsize
-        ) / card.memory_bw_one_way
         comp = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core
-        est = load + (steps - 1) * max(load, comp) + comp + steps * _STEP_OVERHEAD_S
-        cands_all.append((est, steps, tm, (tn, tno), tk))
-    if cands_all:
-        # among tilings within 10% of the fastest, the one with the fewest steps
-        fastest = min(c[0] for c in cands_all)
-        near = [c for c in cands_all if c[0] <= 1.1 * fastest]
-        est, _, tm, tn, tk = min(near, key=lambda c: (c[1], c[0]))
-        best = ((est,), tm, tn, tk)
-    if best is None:
+        # the tiles of a step: N fastest (one lhs block shared, multicast) or, when M splits,
+        # M fastest (one rhs block shared: the rhs is read once, the lhs once per round)
+        for m_inner in (False, True) if gm > 1 else (False,):
+            ga = gm if m_inner else gn
+            shared = min(per_step_tiles, ga)  # blocks of the operand that varies fastest
+            other = min(per_step_tiles, max(1, -(-per_step_tiles // ga)))
+            uniq_a, uniq_b = (shared, other) if m_inner else (other, shared)
+            bw = card.memory_bw_one_way
+            load = (uniq_a * tm * tkp * la.itemsize + uniq_b * tkr * tn * lb.itemsize) / bw
+            # a round's stores drain over the next round's K steps; the last round's at the end
+            store = per_step_tiles * tm * tno * lo.itemsize / bw
+            rounds = steps // gk
+            est = (
+                load
+                + gk * max(load, comp)
+                + (rounds - 1) * gk * max(load + store / gk, comp)
+                + store
+                + steps * _STEP_OVERHEAD_S
+            )
+            cands_all.append((est, steps, tm, (tn, tno), tk, m_inner))
+    if not cands_all:
         raise TilingError(
             f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
             f"({ctx.cap} B per core)" + (f"\n  at: {n.source}" if n.source else "")
         )
-    _, tm, (tn, tno), tk = best
-    gm, gn, gk = M // tm, Np // tn, K // tk
-    grid = (B, gm, gn, gk)
-    tkp = Kp if tk == K else tk
-    if gk > 1:
-        lhs = Operand(ctx.name(a), (1, tm, tk), (0, 1, 3), "lhs")
-        if rhs_t:
-            rhs = Operand(ctx.name(b), (1, tn, tk), (0, 2, 3), "rhs")
+
+    def build(tm: int, tn: int, tno: int, tk: int, m_inner: bool) -> Stage:
+        gm, gn, gk = M // tm, Np // tn, K // tk
+        grid = (B, gm, gn, gk)
+        if gk > 1:
+            lhs = Operand(ctx.name(a), (1, tm, tk), (0, 1, 3), "lhs")
+            if rhs_t:
+                rhs = Operand(ctx.name(b), (1, tn, tk), (0, 2, 3), "rhs")
+            else:
+                rhs = Operand(ctx.name(b), (1, tk, tn), (0, 3, 2), "rhs")
         else:
-            rhs = Operand(ctx.name(b), (1, tk, tn), (0, 3, 2), "rhs")
-    else:
-        lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
-        if rhs_t:
-            rhs = Operand(ctx.name(b), (1, tn, Kr), (0, 2, -1), "rhs")
-        else:
-            rhs = Operand(ctx.name(b), (1, K, tn), (0, -1, 2), "rhs")
-    out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
-    steps = -(-(B * gm * gn) // ctx.ncores) * gk
-    slots = 2 if steps > 1 else 1
-    return matmul_stage(ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn))
+            lhs = Operand(ctx.name(a), (1, tm, Kp), (0, 1, -1), "lhs")
+            if rhs_t:
+                rhs = Operand(ctx.name(b), (1, tn, Kr), (0, 2, -1), "rhs")
+            else:
+                rhs = Operand(ctx.name(b), (1, K, tn), (0, -1, 2), "rhs")
+        out = Operand(ctx.name(n.out), (1, tm, tno), (0, 1, 2), "out")
+        steps = -(-(B * gm * gn) // ctx.ncores) * gk
+        slots = 2 if steps > 1 else 1
+        order = (0, 2, 1) if m_inner else None
+        return matmul_stage(
+            ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn), tile_order=order
+        )
+
+    return _pick_matmul(ctx, cands_all, build)
 
 
 def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:

@@ -69,6 +69,10 @@ class _Ctx:
     def layout(self, v: Var) -> TensorLayout:
         return self.decls[self.name(v)].layout
 
+    def dtypes(self) -> dict[str, str]:
+        """Each declared tensor's dtype, by name (what the timing model reads)."""
+        return {nm: d.layout.dtype for nm, d in self.decls.items()}
+
     def declare(self, v: Var, role: str, name: str | None = None) -> str:
         if v.id in self.names:
             return self.names[v.id]
@@ -139,11 +143,14 @@ def _tables(
     reduce_axis: int = -1,
     store_every: bool = False,
     reverse: bool = False,
+    tile_order: tuple[int, ...] | None = None,
 ) -> tuple:
     """Build loads/ring/stores/first/last for ``operands`` (the last is the output).
 
     Tiles (the grid without ``reduce_axis``) are dealt to the cores in order, tile ``p`` to core
-    ``p % ncores`` at step group ``p // ncores``; each group runs the ``reduce_axis`` blocks in
+    ``p % ncores`` at step group ``p // ncores``: tiles are numbered row-major over the grid's
+    axes, or over ``tile_order`` (grid axes, slowest first; a matmul deals M fastest so that
+    the cores of a step share one rhs block). Each group runs the ``reduce_axis`` blocks in
     order (``reverse``: last first) over consecutive steps. The output is stored after the last
     of them (``store_every``: after each). A block several cores need in one step is loaded by
     the first of them and forwarded over the ring; a window that lies wholly outside its tensor
@@ -162,8 +169,11 @@ def _tables(
     pc = np.where(valid, p, 0)
     coords: dict[int, np.ndarray] = {}
     if par_grid:
-        un = np.unravel_index(pc, par_grid)
-        for i, a in enumerate(par_axes):
+        order = list(tile_order) if tile_order is not None else par_axes
+        if sorted(order) != par_axes:
+            raise ValueError(f"tile_order {tile_order} is not a permutation of axes {par_axes}")
+        un = np.unravel_index(pc, [grid[a] for a in order])
+        for i, a in enumerate(order):
             coords[a] = np.asarray(un[i], np.int64)
     if reduce_axis >= 0:
         kc = (nk - 1 - kk) if reverse else kk
@@ -389,6 +399,7 @@ def matmul_stage(
     layouts: tuple[TensorLayout, TensorLayout, TensorLayout],
     slots: int,
     acc_block: tuple[int, ...],
+    tile_order: tuple[int, ...] | None = None,
 ) -> Stage:
     """The matmul stage over ``grid`` (axis 3 is K) for operand blocks already chosen: the
     scratchpad plan (lhs, rhs, an fp32 accumulator of ``acc_block``, out), the tables, the
@@ -408,7 +419,9 @@ def matmul_stage(
             ("out", out.block, lo.dtype, slots),
         ]
     )
-    tabs = _tables(grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3)
+    tabs = _tables(
+        grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3, tile_order=tile_order
+    )
     return Stage(
         f"s{len(ctx.stages)}",
         "matmul",

@@ -214,3 +214,20 @@ def test_bench_calibrate_json(capsys):
     assert r["bound_ratio"] >= 1.0 and r["bound_unit"] in ("PE", "load/store", "ring", "SFU")
     with pytest.raises(ValueError, match="softmax-4096x2048"):
         cli.main(["bench", "calibrate", "--models", "nope"])
+
+
+def test_bench_schedules_json(capsys):
+    # each case: simulated time, the bound, the ratio and the unit that bounds the schedule
+    argv = ["bench", "schedules", "--models", "decode-1x4096x4096,gpt2-128x768x3072", "--json"]
+    assert cli.main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res) == {"decode-1x4096x4096", "gpt2-128x768x3072"}
+    r = res["decode-1x4096x4096"]
+    # the decode matmul reads its 32 MiB weight once: the bound is that at 150 GB/s
+    assert r["bound_us"] == pytest.approx((4096 * 4096 + 2 * 4096) * 2 / 150e9 * 1e6, rel=1e-3)
+    assert r["bound_ratio"] == pytest.approx(r["sim_us"] / r["bound_us"])
+    assert r["unit"] in ("PE", "load/store", "ring", "SFU") and r["steps"] >= 1
+    assert cli.main(["bench", "schedules", "--models", "square-1024"]) == 0
+    assert "worst: square-1024" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="prefill-512x4096x1024"):
+        cli.main(["bench", "schedules", "--models", "nope"])

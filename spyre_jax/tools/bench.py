@@ -18,7 +18,7 @@ import torch
 import spyre_jax
 from torch_bridge import backend as tb
 
-from . import bench_calibrate, bench_eager, bench_models, bench_serve
+from . import bench_calibrate, bench_eager, bench_models, bench_schedules, bench_serve
 from .demo import demo_block, gpt2_small
 
 __all__ = [
@@ -208,6 +208,11 @@ def main(args: Any) -> int:
         names = args.models.split(",") if args.models else None
         res = bench_calibrate.bench_calibrate(names)
         print(json.dumps(res) if args.json else bench_calibrate.format_calibrate(res))
+        return 0
+    if args.which == "schedules":
+        names = args.models.split(",") if args.models else None
+        res = bench_schedules.bench_schedules(names)
+        print(json.dumps(res) if args.json else bench_schedules.format_schedules(res))
         return 0
     if args.which == "eager":
         res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)

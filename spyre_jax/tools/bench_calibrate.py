@@ -91,14 +91,24 @@ def run_case(name: str) -> dict[str, Any]:
     }
 
 
+def run_named(
+    what: str,
+    cases: dict[str, Any],
+    run: Callable[[str], dict[str, Any]],
+    names: list[str] | None,
+) -> dict[str, dict[str, Any]]:
+    """``run`` over the cases ``names`` (default: all of ``cases``), one after another; an
+    unknown name raises ValueError naming the known ones, before any case runs."""
+    todo = names or list(cases)
+    for name in todo:
+        if name not in cases:
+            raise ValueError(f"bench {what}: unknown case {name!r}; known: {', '.join(cases)}")
+    return {name: run(name) for name in todo}
+
+
 def bench_calibrate(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Every case of :data:`CASES` (or ``names``), one after another."""
-    out: dict[str, dict[str, Any]] = {}
-    for name in names or list(CASES):
-        if name not in CASES:
-            raise ValueError(f"bench calibrate: unknown case {name!r}; known: {', '.join(CASES)}")
-        out[name] = run_case(name)
-    return out
+    return run_named("calibrate", CASES, run_case, names)
 
 
 def format_calibrate(res: dict[str, dict[str, Any]]) -> str:

@@ -96,12 +96,24 @@ def main(argv: list[str] | None = None) -> int:
     pb = sub.add_parser("bench", help="benchmarks")
     pb.add_argument(
         "which",
-        choices=["sim", "launch", "softmax", "torch", "models", "serve", "eager", "calibrate"],
+        choices=[
+            "sim",
+            "launch",
+            "softmax",
+            "torch",
+            "models",
+            "serve",
+            "eager",
+            "calibrate",
+            "schedules",
+        ],
     )
     pb.add_argument("--json", action="store_true", help="print one JSON object")
     pb.add_argument("--reps", type=int, default=None, help="repetitions (default 5; models 1)")
     pb.add_argument(
-        "--models", default="", help="models, serve, calibrate: comma-separated names (default all)"
+        "--models",
+        default="",
+        help="models, serve, calibrate, schedules: comma-separated names (default all)",
     )
     pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
     pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
