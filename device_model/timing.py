@@ -247,6 +247,16 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         )
     )
     bound_s = card.bound_seconds(flops, min_bytes)
+    # each stage's own bound (the fused op it runs: its inputs read once, its output written
+    # once, or its flops at the sustained rate); their sum is what a schedule of these stages,
+    # one after another, could reach at best
+    sizes = {t.name: math.prod(t.layout.shape) * DTYPES[t.layout.dtype] for t in k.tensors}
+    for st, c in zip(k.stages, stages, strict=True):
+        nb = sum(sizes[n] for n in {op.tensor for op in st.inputs}) + sizes[st.output.tensor]
+        if st.kind == "gather":
+            nb += sizes[st.output.tensor]  # the table's rows it reads
+        c["bound_s"] = card.bound_seconds(float(c["flops"]), float(nb))
+    stages_bound_s = sum(c["bound_s"] for c in stages)
     out = {
         "flops": float(sum(s["flops"] for s in stages)),
         "device_bytes": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
@@ -265,6 +275,8 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         "min_device_bytes": min_bytes,
         "bound_us": bound_s * 1e6,
         "bound_ratio": (total / bound_s) if bound_s else float("nan"),
+        "stages_bound_us": stages_bound_s * 1e6,
+        "stages_bound_ratio": (total / stages_bound_s) if stages_bound_s else float("nan"),
         "stages": stages,
     }
     return out

@@ -26,7 +26,7 @@ __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
 def _is_array_leaf(x: Any) -> bool:
     """Arrays are traced; Python scalars and other leaves are static (as ``eqx.filter_jit``)."""
-    return isinstance(x, Array | np.ndarray | np.generic | jax.Array)
+    return isinstance(x, Array | np.ndarray | np.generic | jax.Array | jax.ShapeDtypeStruct)
 
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
@@ -207,12 +207,20 @@ class Jitted:
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Trace and lower for these arguments (shapes, dtypes and static values)."""
+        """Trace and lower for these arguments (shapes, dtypes and static values). An array
+        argument may be a ``jax.ShapeDtypeStruct``: the compiled function's figures
+        (``cost_analysis()``) then come from shapes alone, no values materialized."""
         key, leaves, info = self._split(args, kwargs)
         return self._trace(key, info, key[1])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, leaves, info = self._split(args, kwargs)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            raise TypeError(
+                "spyre_jax.jit: a jax.ShapeDtypeStruct has a shape and a dtype but no values, so "
+                "it cannot be run; compile it for its figures instead: "
+                "f.lower(*shapes).compile().cost_analysis()"
+            )
         c = self._cache.get(key)
         if c is None:
             c = self._trace(key, info, key[1]).compile()

@@ -514,3 +514,20 @@ def test_dl16_rounding_option():
 def test_card_rejects_bad_dl16_flag():
     with pytest.raises(ValueError, match="dl16_rounding"):
         CardSpec(dl16_rounding=1)
+
+
+def test_lower_from_shape_dtype_structs():
+    # shapes alone compile (nothing materialized): the same schedule and figures as arrays give;
+    # calling with them is refused, naming the way to their figures (regression: an IndexError
+    # in the dot_general rule, the structs having been taken for static values)
+    def mm(a, b):
+        return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.float16)
+
+    sa = jax.ShapeDtypeStruct((256, 512), jnp.float16)
+    sb = jax.ShapeDtypeStruct((512, 128), jnp.float16)
+    got = spyre_jax.jit(mm).lower(sa, sb).compile().cost_analysis()
+    a, b = np.zeros((256, 512), np.float16), np.zeros((512, 128), np.float16)
+    want = spyre_jax.jit(mm).lower(a, b).compile().cost_analysis()
+    assert got["sim_time_us"] == want["sim_time_us"] and got["flops"] == 2 * 256 * 512 * 128
+    with pytest.raises(TypeError, match="cost_analysis"):
+        spyre_jax.jit(mm)(sa, sb)

@@ -54,6 +54,11 @@ def bench_sim(reps: int = 5) -> dict[str, dict[str, float]]:
     fn, params, x = demo_block()
     cases: dict[str, tuple[Callable, tuple]] = {
         "matmul_1024": (lambda a, b: jnp.matmul(a, b), (a, b)),
+        # as JAX users write a mixed-precision matmul: fp32 accumulation, an fp16 result
+        "matmul_1024_mixed": (
+            lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(jnp.float16),
+            (a, b),
+        ),
         "demo_block": (fn, (params, x)),
     }
     for name, (f, args) in cases.items():
@@ -77,6 +82,10 @@ def bench_launch(calls: int = 2000, reps: int = 5) -> dict[str, float]:
     the results) except simulating the kernel body: the card program is replaced, for the
     measurement only, by one that returns precomputed output buffers. JAX's: the per-call time of
     ``jax.jit`` of the same trivial function on a device-resident array (asynchronous dispatch).
+
+    ``launch_with_kernel_us``: the whole launch, the card program included, of the add on a
+    64-element array resident on the card, calls back to back until the last result is ready,
+    beside ``jax.jit``'s of the same add (``jax_dispatch_64_us``): ``with_kernel_ratio``.
     """
 
     def fn(x: Any) -> Any:
@@ -102,14 +111,18 @@ def bench_launch(calls: int = 2000, reps: int = 5) -> dict[str, float]:
     precomputed = computed[-1]
     jax.block_until_ready(precomputed)
 
-    def per_call(call: Callable[[], Any]) -> float:
+    def per_call(call: Callable[[], Any], wait: bool = False) -> float:
+        """The best over ``reps`` of the mean time per call of ``calls`` calls (``wait``: until
+        the last call's result is ready, so that the work itself is counted)."""
         for _ in range(200):
             call()
         best = float("inf")
         for _ in range(reps):
             t = time.perf_counter()
             for _ in range(calls):
-                call()
+                r = call()
+            if wait:
+                r.block_until_ready()
             best = min(best, (time.perf_counter() - t) / calls)
         return best
 
@@ -123,7 +136,24 @@ def bench_launch(calls: int = 2000, reps: int = 5) -> dict[str, float]:
     jax.block_until_ready(jf(xj))
     theirs = per_call(lambda: jf(xj))
     jax.block_until_ready(jf(xj))
-    return {"launch_us": ours * 1e6, "jax_dispatch_us": theirs * 1e6, "ratio": ours / theirs}
+    # the same launch with its kernel simulated (the card program runs), on a 64-element array
+    # resident on the card, beside jax.jit's dispatch of the same add on a 64-element array
+    x64 = spyre_jax.device_put(np.ones((64,), np.float16))
+    f(x64).block_until_ready()
+    with_kernel = per_call(lambda: f(x64), wait=True)
+    f(x64).block_until_ready()
+    j64 = jnp.ones((64,), jnp.float16)
+    jax.block_until_ready(jf(j64))
+    theirs64 = per_call(lambda: jf(j64), wait=True)
+    jax.block_until_ready(jf(j64))
+    return {
+        "launch_us": ours * 1e6,
+        "jax_dispatch_us": theirs * 1e6,
+        "ratio": ours / theirs,
+        "launch_with_kernel_us": with_kernel * 1e6,
+        "jax_dispatch_64_us": theirs64 * 1e6,
+        "with_kernel_ratio": with_kernel / theirs64,
+    }
 
 
 def bench_softmax() -> dict[str, Any]:
