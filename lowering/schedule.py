@@ -294,7 +294,11 @@ def _map_plan(
 MATMUL_RANKED = 6
 
 #: simulated times this close (relative) count as a tie, won by the tiling of fewer steps
-MATMUL_TIE = 0.02
+MATMUL_TIE = 0.01
+
+#: ... or this close in absolute terms (s): for a tiny matmul, a step less matters more to the
+#: simulation's speed than a fraction of a microsecond on the card
+MATMUL_TIE_S = 0.2e-6
 
 
 def _pick_matmul(
@@ -305,8 +309,11 @@ def _pick_matmul(
     """The matmul tiling to use: the estimator's best few (``MATMUL_RANKED``) built and ranked
     by the timing model itself, which sees what the
     estimate does not (blocks shared by the cores of a step and multicast over the ring, the
-    read/write mix). Near ties (``MATMUL_TIE``) go to the fewer steps."""
-    shortlist = sorted(cands, key=lambda c: (c[0], c[1]))[:MATMUL_RANKED]
+    read/write mix). Near ties (``MATMUL_TIE``, ``MATMUL_TIE_S``) go to the fewer steps."""
+    ranked = sorted(cands, key=lambda c: (c[0], c[1]))
+    # the estimator's best, and the fewest-step tilings it puts near them
+    near = [c for c in ranked if c[0] <= ranked[0][0] * (1 + 3 * MATMUL_TIE) + 3 * MATMUL_TIE_S]
+    shortlist = list(dict.fromkeys(ranked[:MATMUL_RANKED] + sorted(near, key=lambda c: c[1])[:2]))
     if len(shortlist) == 1:
         _, _, tm, (tn, tno), tk, m_inner = shortlist[0]
         return build(tm, tn, tno, tk, m_inner)
@@ -316,8 +323,9 @@ def _pick_matmul(
         st = build(tm, tn, tno, tk, m_inner)
         timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st))
     fastest = min(t for t, _, _ in timed)
-    # within MATMUL_TIE of the fastest, the fewest steps (a shorter simulation, same time)
-    return min((c for c in timed if c[0] <= fastest * (1 + MATMUL_TIE)), key=lambda c: c[1])[2]
+    # within a tie of the fastest, the fewest steps (a shorter simulation, about the same time)
+    tie = max(fastest * MATMUL_TIE, MATMUL_TIE_S)
+    return min((c for c in timed if c[0] <= fastest + tie), key=lambda c: c[1])[2]
 
 
 def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:

@@ -41,8 +41,20 @@ def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
 
 def test_bench_launch_and_softmax_json(capsys):
     res = bench.bench_launch(calls=50, reps=1)
-    assert set(res) == {"launch_us", "jax_dispatch_us", "ratio"}
+    assert set(res) == {
+        "launch_us",
+        "jax_dispatch_us",
+        "ratio",
+        "launch_with_kernel_us",
+        "jax_dispatch_64_us",
+        "with_kernel_ratio",
+    }
     assert res["launch_us"] > 0 and res["jax_dispatch_us"] > 0
+    # the launch with its kernel simulated costs more than the launch alone
+    assert res["launch_with_kernel_us"] > res["launch_us"]
+    assert res["with_kernel_ratio"] == pytest.approx(
+        res["launch_with_kernel_us"] / res["jax_dispatch_64_us"]
+    )
     assert cli.main(["bench", "softmax", "--json"]) == 0
     sm = json.loads(capsys.readouterr().out)
     assert sm["measured_us"] == 261.0
@@ -52,7 +64,7 @@ def test_bench_launch_and_softmax_json(capsys):
 def test_bench_sim_json(capsys):
     assert cli.main(["bench", "sim", "--json", "--reps", "1"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert set(res) == {"matmul_1024", "demo_block"}
+    assert set(res) == {"matmul_1024", "matmul_1024_mixed", "demo_block"}
     for v in res.values():
         assert v["sim_s"] > 0 and v["native_s"] > 0
         assert v["ratio"] == pytest.approx(v["sim_s"] / v["native_s"])

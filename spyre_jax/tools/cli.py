@@ -109,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     pb.add_argument("--json", action="store_true", help="print one JSON object")
-    pb.add_argument("--reps", type=int, default=None, help="repetitions (default 5; models 1)")
+    pb.add_argument(
+        "--reps", type=int, default=None, help="repetitions (default 5; models 1, sim 15)"
+    )
     pb.add_argument(
         "--models",
         default="",
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
-        args.reps = 1 if args.which == "models" else 5
+        args.reps = {"models": 1, "sim": 15}.get(args.which, 5)
     if getattr(args, "seq", 0) is None:
         args.seq = {"serve": 32, "eager": 8}.get(args.which, 128)
     if getattr(args, "tokens", 0) is None:
