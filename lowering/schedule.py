@@ -306,10 +306,14 @@ def _pick_matmul(
     cands: list[tuple[float, int, int, tuple[int, int], int, bool]],
     build: Any,
 ) -> Stage:
-    """The matmul tiling to use: the estimator's best few (``MATMUL_RANKED``) built and ranked
-    by the timing model itself, which sees what the
-    estimate does not (blocks shared by the cores of a step and multicast over the ring, the
-    read/write mix). Near ties (``MATMUL_TIE``, ``MATMUL_TIE_S``) go to the fewer steps."""
+    """The matmul tiling to use. The estimator's best few (``MATMUL_RANKED``), and the two of
+    fewest steps among those it puts near the best, are built and timed by the timing model
+    itself, which sees what the estimate does not (blocks shared by the cores of a step and
+    multicast over the ring, stores draining behind later steps, the read/write mix). The
+    fastest wins; near ties (``MATMUL_TIE``, ``MATMUL_TIE_S``) go to the fewer steps.
+
+    ``cands``: ``(estimate s, steps, tm, (tn, output tn), tk, m_inner)`` per tiling that fits;
+    ``build(tm, tn, tno, tk, m_inner)`` makes its stage."""
     ranked = sorted(cands, key=lambda c: (c[0], c[1]))
     # the estimator's best, and the fewest-step tilings it puts near them
     near = [c for c in ranked if c[0] <= ranked[0][0] * (1 + 3 * MATMUL_TIE) + 3 * MATMUL_TIE_S]
