@@ -121,11 +121,19 @@ def _plan_input(loads: np.ndarray, ring: np.ndarray, ncores: int) -> _BufPlan:
 class _Buffers:
     """The scratchpad buffers of one stage on all cores (see the module docstring)."""
 
-    def __init__(self, stage: Stage, ncores: int, plans: dict[str, _BufPlan]):
+    def __init__(
+        self,
+        stage: Stage,
+        ncores: int,
+        plans: dict[str, _BufPlan],
+        skip: frozenset[str] = frozenset(),
+    ):
         self.ncores = ncores
         self.plans = plans
         self.data: dict[str, jax.Array] = {}
         for b in stage.scratch:
+            if b.name in skip:
+                continue
             p = plans.get(b.name)
             nrows = p.nrows if p is not None else ncores
             self.data[b.name] = _fresh(b, nrows)
@@ -305,12 +313,17 @@ def _matmul(
     return take(out, inv)
 
 
-def _write_out(bufs: _Buffers, out: Operand, oslot: Any, r: jax.Array) -> None:
-    """A result ``[C, *dims]`` into the output buffer's slot, fit to the output block."""
+def _out_tile(out: Operand, r: jax.Array) -> jax.Array:
+    """A result ``[C, *dims]`` fit to the output block."""
     want = out.block
     if r.ndim - 1 < len(want):
         r = r.reshape((r.shape[0], *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
-    bufs.write(out.sp, oslot, ops.fit(jnp, r, want))
+    return ops.fit(jnp, r, want)
+
+
+def _write_out(bufs: _Buffers, out: Operand, oslot: Any, r: jax.Array) -> None:
+    """A result ``[C, *dims]`` into the output buffer's slot, fit to the output block."""
+    bufs.write(out.sp, oslot, _out_tile(out, r))
 
 
 def _split_of(stage: Stage) -> ops.SplitReduce | None:
@@ -444,12 +457,13 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         bufs.write("acc", 0, ops.combine_partial(jnp, body.reduce, acc, part, first))
 
 
-def _finish(cx: _StepCtx, t: Any, stores: Any) -> None:
-    """The last step of an "acc" stage's block: the accumulator, rounded, into the output
-    (``stores``: each core's output block, for a matmul's masked N tail)."""
+def _finish(cx: _StepCtx, stores: Any) -> jax.Array:
+    """The last step of an "acc" stage's block: the accumulator, rounded, as every core's
+    output block (``stores``: each core's output block, for a matmul's masked N tail). It goes
+    from the rounding straight to the store: the simulation keeps no copy of it in an output
+    buffer, which for a large output block would double the stage's host memory."""
     stage, bufs = cx.stage, cx.bufs
     out = stage.output
-    oslot = cx.slot(out.sp, t)
     params = stage.body[0][2]
     if stage.kind == "matmul":
         r = ops.narrow(jnp, bufs.read("acc", 0), params.out_dtype, cx.dl16)
@@ -457,14 +471,13 @@ def _finish(cx: _StepCtx, t: Any, stores: Any) -> None:
             ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
             col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
             r = ops.mask_n(jnp, r, col0, params.n_logical)
-        bufs.write(out.sp, oslot, ops.fit(jnp, r, out.block))
-        return
+        return ops.fit(jnp, r, out.block)
     body = params[0]
     if body.reduce in ("argmax", "argmin"):
         r = bufs.read("acci", 0)
     else:
         r = bufs.read("acc", 0)
-    _write_out(bufs, out, oslot, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
+    return _out_tile(out, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
 
 
 def _carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
@@ -525,7 +538,10 @@ def run_stage(
         op.sp: _plan_input(tab["loads"][:, i], tab["ring"][:, i], ncores)
         for i, op in enumerate(stage.inputs)
     }
-    bufs = _Buffers(stage, ncores, plans)
+    mode = _mode(stage)
+    # an accumulating stage's output block goes from the accumulator straight to its store
+    skip = frozenset({stage.output.sp}) if mode == "acc" else frozenset()
+    bufs = _Buffers(stage, ncores, plans, skip)
     sources = [
         Source(env[op.tensor], op, uninit_value(decls[op.tensor].layout.dtype))
         for op in stage.inputs
@@ -539,7 +555,6 @@ def run_stage(
     late = [nslots[i] == 1 and T > 1 for i in range(len(stage.inputs))]
     early_ops = [i for i in range(len(stage.inputs)) if not late[i]]
     late_ops = [i for i in range(len(stage.inputs)) if late[i]]
-    mode = _mode(stage)
     cx = _StepCtx(stage, bufs, env, decls, dl16)
 
     def load_step(t: Any, loads: Any, ring: Any, which: list[int]) -> None:
@@ -559,21 +574,11 @@ def run_stage(
             return store(t, stores, ob)
         _accumulate(cx, t, first, kpos)
         if last is True:
-            _finish(cx, t, stores)
-            return store(t, stores, ob)
+            return _store(ob, _finish(cx, stores), stores)
         if last is False:
             return ob
-
-        # an accumulation inside a scan: round, write and store on the last step only
-        def finish(operands: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            out_data, ob = operands
-            bufs.data[out.sp] = out_data
-            _finish(cx, t, stores)
-            return bufs.data[out.sp], store(t, stores, ob)
-
-        out_data, ob = lax.cond(last, finish, lambda o: o, (bufs.data[out.sp], ob))
-        bufs.data[out.sp] = out_data
-        return ob
+        # an accumulation inside a scan: round and store on the last step only
+        return lax.cond(last, lambda ob: _store(ob, _finish(cx, stores), stores), lambda o: o, ob)
 
     all_ops = list(range(len(stage.inputs)))
     if T <= UNROLL_STEPS:
