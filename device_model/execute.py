@@ -32,10 +32,12 @@ its device array is not cut into blocks up front (that would copy a whole weight
 padding, for the stage's lifetime): each step gathers its blocks straight from the array, edge
 blocks shifted into place and filled past the tensor (``blocks.Source``). Accumulating stages
 (a matmul's K loop; a map whose reduction is split across
-steps, its body carrying an ``ops.SplitReduce``) combine each step into the ``acc`` buffers and
-write the output on the last step of a block; a split cumsum stores every block and carries
-its running total. An input buffer with a single slot in a stage of several steps is loaded
-after the step's compute (single buffering).
+steps, its body carrying an ``ops.SplitReduce``) combine each step into the ``acc`` buffers and,
+on the last step of a block, store the rounded accumulator. The stored bytes are what the card
+stores from its output buffer, but the simulation keeps no copy of them in that buffer: for a
+large output block (a vocabulary projection) the copy would double the stage's host memory. A
+split cumsum stores every block and carries its running total. An input buffer with a single
+slot in a stage of several steps is loaded after the step's compute (single buffering).
 """
 
 from __future__ import annotations
