@@ -238,19 +238,13 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     # the external bound: each input read once, each output written once, or the flops at the
     # sustained PE rate (CardSpec.bound_seconds); the schedule's time over it
     flops = float(sum(s["flops"] for s in stages))
+    sizes = {t.name: math.prod(t.layout.shape) * DTYPES[t.layout.dtype] for t in k.tensors}
     ends = set(k.inputs) | set(k.outputs)  # an output may be a view of a temp (a free reshape)
-    min_bytes = float(
-        sum(
-            math.prod(t.layout.shape) * DTYPES[t.layout.dtype]
-            for t in k.tensors
-            if t.name in ends or t.role == "const"
-        )
-    )
+    min_bytes = float(sum(sizes[t.name] for t in k.tensors if t.name in ends or t.role == "const"))
     bound_s = card.bound_seconds(flops, min_bytes)
     # each stage's own bound (the fused op it runs: its inputs read once, its output written
     # once, or its flops at the sustained rate); their sum is what a schedule of these stages,
     # one after another, could reach at best
-    sizes = {t.name: math.prod(t.layout.shape) * DTYPES[t.layout.dtype] for t in k.tensors}
     for st, c in zip(k.stages, stages, strict=True):
         nb = sum(sizes[n] for n in {op.tensor for op in st.inputs}) + sizes[st.output.tensor]
         if st.kind == "gather":

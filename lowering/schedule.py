@@ -318,9 +318,6 @@ def _pick_matmul(
     # the estimator's best, and the fewest-step tilings it puts near them
     near = [c for c in ranked if c[0] <= ranked[0][0] * (1 + 3 * MATMUL_TIE) + 3 * MATMUL_TIE_S]
     shortlist = list(dict.fromkeys(ranked[:MATMUL_RANKED] + sorted(near, key=lambda c: c[1])[:2]))
-    if len(shortlist) == 1:
-        _, _, tm, (tn, tno), tk, m_inner = shortlist[0]
-        return build(tm, tn, tno, tk, m_inner)
     dtypes = ctx.dtypes()
     timed = []
     for _, steps, tm, (tn, tno), tk, m_inner in shortlist:
