@@ -431,7 +431,7 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     params = stage.body[0][2]
     if stage.kind == "matmul":
         body = params
-        lhs_op, rhs_op = stage.inputs
+        lhs_op, rhs_op = stage.inputs[:2]
         tk = body.tk(rhs_op.block)
         k_valid = None
         if body.k_logical % tk:
@@ -459,11 +459,12 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         bufs.write("acc", 0, ops.combine_partial(jnp, body.reduce, acc, part, first))
 
 
-def _finish(cx: _StepCtx, stores: Any) -> jax.Array:
-    """The last step of an "acc" stage's block: the accumulator, rounded, as every core's
-    output block (``stores``: each core's output block, for a matmul's masked N tail). It goes
-    from the rounding straight to the store: the simulation keeps no copy of it in an output
-    buffer, which for a large output block would double the stage's host memory."""
+def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
+    """The last step (``t``) of an "acc" stage's block: the accumulator, rounded (and through
+    a matmul's epilogue), as every core's output block (``stores``: each core's output block,
+    for a matmul's masked N tail). It goes from the rounding straight to the store: the
+    simulation keeps no copy of it in an output buffer, which for a large output block would
+    double the stage's host memory."""
     stage, bufs = cx.stage, cx.bufs
     out = stage.output
     params = stage.body[0][2]
@@ -473,7 +474,14 @@ def _finish(cx: _StepCtx, stores: Any) -> jax.Array:
             ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
             col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
             r = ops.mask_n(jnp, r, col0, params.n_logical)
-        return ops.fit(jnp, r, out.block)
+        r = ops.fit(jnp, r, out.block)
+        if params.epilogue is not None:
+            extras = stage.inputs[2:]
+            tiles = [bufs.read(op.sp, cx.slot(op.sp, t)) for op in extras]
+            dts = [cx.decls[op.tensor].layout.dtype for op in extras]
+            space = params.epilogue.space
+            r = ops.run_epilogue(jnp, params, r, tiles, dts, out.block, space, cx.dl16)
+        return r
     body = params[0]
     if body.reduce in ("argmax", "argmin"):
         r = bufs.read("acci", 0)
@@ -576,11 +584,13 @@ def run_stage(
             return store(t, stores, ob)
         _accumulate(cx, t, first, kpos)
         if last is True:
-            return _store(ob, _finish(cx, stores), stores)
+            return _store(ob, _finish(cx, t, stores), stores)
         if last is False:
             return ob
         # an accumulation inside a scan: round and store on the last step only
-        return lax.cond(last, lambda ob: _store(ob, _finish(cx, stores), stores), lambda o: o, ob)
+        return lax.cond(
+            last, lambda ob: _store(ob, _finish(cx, t, stores), stores), lambda o: o, ob
+        )
 
     all_ops = list(range(len(stage.inputs)))
     if T <= UNROLL_STEPS:

@@ -129,17 +129,35 @@ class MapBody:
 class MatmulBody:
     """PE program: ``acc[m, n] += sum_k lhs[m, k] * rhs[k, n]`` in fp32; rounded at the end.
     ``rhs_t``: rhs tiles are ``[tn, tk]`` (``rhs[n, k]``: an NT GEMM). ``n_logical`` > 0: output
-    columns from it on are zeroed (an NT rhs's last N block reaches past its rows: NaN)."""
+    columns from it on are zeroed (an NT rhs's last N block reaches past its rows: NaN).
+
+    ``epilogue``: an elementwise map the SFUs run on the rounded product on its way to the store
+    (a bias, an activation, a residual add, a convert), over the output block's space
+    ``[B, M, N]``. Its input ``acc_slot`` is the product (``out_dtype``); the others are the
+    stage's inputs after lhs and rhs, in order, each loaded on the last K step of its block. The
+    stored dtype is then the epilogue's. The results are those of the unfused matmul and map."""
 
     k_logical: int
     out_dtype: str
     rhs_t: bool = False
     n_logical: int = 0
+    epilogue: MapBody | None = None
+    acc_slot: int = 0
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype of the stored output block."""
+        return self.epilogue.out_dtype if self.epilogue is not None else self.out_dtype
 
     def __str__(self) -> str:
         rhs = "rhs^T" if self.rhs_t else "rhs"
         nm = f", N={self.n_logical} masked" if self.n_logical else ""
-        return f"acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); last: acc -> {self.out_dtype}"
+        ep = ""
+        if self.epilogue is not None:
+            ep = f"; epilogue (product = in{self.acc_slot}): {self.epilogue}"
+        return (
+            f"acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); last: acc -> {self.out_dtype}" + ep
+        )
 
     def tk(self, rhs_block: tuple[int, ...]) -> int:
         """The logical K of an rhs block (a whole-K NT block spans the stick-padded K)."""
@@ -598,6 +616,31 @@ def run_map(
     if body.reduce:
         r = _reduce(xp, r, body.reduce, body.reduce_axes)
     return r
+
+
+def run_epilogue(
+    xp: Any,
+    body: MatmulBody,
+    prod: Any,
+    extras: list[Any],
+    extra_dtypes: list[str],
+    out_block: tuple[int, ...],
+    space: tuple[int, ...],
+    dl16: bool = False,
+) -> Any:
+    """A matmul's epilogue on every core's rounded product ``[C, *out_block]`` (``out_dtype``)
+    and its other input tiles: the stored tile ``[C, *out_block]`` in the epilogue's dtype.
+    Only the block's part inside the logical ``space`` is computed; the rest (stick padding)
+    is zero."""
+    ep = body.epilogue
+    assert ep is not None
+    sb = tuple(min(b, s) for b, s in zip(out_block, space, strict=True))
+    tiles = list(extras)
+    tiles.insert(body.acc_slot, prod)
+    dts = list(extra_dtypes)
+    dts.insert(body.acc_slot, body.out_dtype)
+    r = run_map(xp, ep, tiles, dts, sb, prod.shape[0])
+    return fit(xp, narrow(xp, r, ep.out_dtype, dl16), out_block)
 
 
 def reduce_identity(kind: str, dtype: Any) -> Any:

@@ -232,7 +232,7 @@ def _compute(
         write_result(ops.narrow(np, r, body.out_dtype, dl16))
     elif stage.kind == "matmul":
         body = params
-        lhs, rhs = (tile(op) for op in stage.inputs)  # [1, 1, tm, tkp], [1, 1, tk, tn]
+        lhs, rhs = (tile(op) for op in stage.inputs[:2])  # [1, 1, tm, tkp], [1, 1, tk, tn]
         tk = body.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
         k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
         acc = sp.read("acc", 0)[None]
@@ -245,7 +245,15 @@ def _compute(
             ncol = blocks_of(decls[out.tensor].layout.device_shape, out.block)[-1]
             col0 = np.asarray([max(store_block, 0) % ncol * out.block[-1]])
             r = ops.mask_n(np, r, col0, body.n_logical)
-        sp.write(out.sp, oslot, ops.fit(np, r, out.block)[0])
+        r = ops.fit(np, r, out.block)
+        if body.epilogue is not None:
+            if not stage.last[t]:
+                return  # the epilogue's operands arrive with the block's last K step
+            extras = stage.inputs[2:]
+            tiles = [tile(op) for op in extras]
+            dts = [decls[op.tensor].layout.dtype for op in extras]
+            r = ops.run_epilogue(np, body, r, tiles, dts, out.block, body.epilogue.space, dl16)
+        sp.write(out.sp, oslot, r[0])
     elif stage.kind == "gather":
         body = params
         idx = tile(stage.inputs[0])[0].astype(np.int32)  # [trp]

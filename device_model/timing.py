@@ -8,7 +8,8 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
   cycle (each forward takes the shorter way round the ring);
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
   ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
-  ``sfu_elems_per_cycle`` x corelets.
+  ``sfu_elems_per_cycle`` x corelets. A matmul's epilogue (an elementwise map fused into
+  its store) adds its SFU time to the last K step of each output block.
 
 Double buffering overlaps step t's compute with step t+1's loads and the stores in flight:
 ``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + D_t)/bw)``, where ``D_t`` is the store
@@ -144,13 +145,20 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     busy_in = ((loads >= 0) | recv).any(axis=1) if nin else np.zeros((T, ncores), bool)
     active = set(np.flatnonzero(busy_in.any(axis=0)).tolist())
     c_step = 0.0
+    ep_s = 0.0
     if kind == "matmul":
-        lhs, rhs = s.inputs
+        lhs, rhs = s.inputs[:2]
         tm, tkp = lhs.block[1], lhs.block[2]
         tn = rhs.block[1] if params.rhs_t else rhs.block[2]
         batched = s.grid[0] > 1  # [B, M, K] x [B, K, N] with B > 1: a batched matmul
         rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
         c_step = 2 * tm * tn * tkp / rate
+        if params.epilogue is not None:
+            # the epilogue: the SFUs on each output block after its last K step
+            space = params.epilogue.space
+            elems = math.prod(min(b, e) for b, e in zip(s.output.block, space, strict=True))
+            per_core = s.sfu_elem_ops / max(1, math.prod(params.epilogue.space)) * elems
+            ep_s = per_core / (card.sfu_elems_per_cycle * card.corelets_per_core) / card.clock_hz
     elif kind == "map":
         body, space_block = params[0], params[1]
         elems = math.prod(space_block)
@@ -158,6 +166,8 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         rate = card.sfu_elems_per_cycle * card.corelets_per_core
         c_step = per_core / rate / card.clock_hz
     C = np.full(T, c_step)
+    if ep_s:
+        C = C + ep_s * np.asarray(s.last, float)
     moved = float(L.sum() + S.sum())
     bw = card.memory_bw(float(L.sum()) / moved if moved else 1.0)
     if _is_relayout(s):

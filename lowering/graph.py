@@ -9,7 +9,9 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   (``axis``) — the layout and movement ops,
 * ``reduce`` (``kind``: sum, max, min, prod, argmax, argmin, cumsum, cumsum_rev; ``axes``),
 * ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``; with
-  ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight),
+  ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight);
+  after fusion, ``epilogue`` (a MapBody over ``[B, M, N]``, elementwise) applied to the product
+  on its way out, the product its input ``acc_slot`` and the node's inputs past the rhs the rest,
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
 
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from device_model.layout import check_dtype
-from device_model.ops import ELEMENTWISE, MapBody
+from device_model.ops import ELEMENTWISE, InputView, MapBody
 
 __all__ = ["Var", "Node", "Graph", "GraphError", "check_graph", "format_graph", "infer"]
 
@@ -187,7 +189,8 @@ def _r_reduce(n: Node) -> list:
 
 
 def _r_matmul(n: Node) -> list:
-    a, b = n.inputs
+    _need(len(n.inputs) >= 2, "matmul takes lhs and rhs")
+    a, b = n.inputs[:2]
     rhs_t = n.p("rhs_t", False)
     _need(isinstance(rhs_t, bool), f"matmul rhs_t={rhs_t!r} is not a bool")
     form = "[B,M,K] x [B,N,K]" if rhs_t else "[B,M,K] x [B,K,N]"
@@ -197,7 +200,23 @@ def _r_matmul(n: Node) -> list:
         a.shape[0] == b.shape[0] and a.shape[2] == b.shape[kb],
         f"matmul shapes {a.shape} x {b.shape} ({form})",
     )
-    return [((a.shape[0], a.shape[1], b.shape[nb]), n.p("dtype"))]
+    shape = (a.shape[0], a.shape[1], b.shape[nb])
+    ep: MapBody | None = n.p("epilogue", None)
+    if ep is None:
+        _need(len(n.inputs) == 2, "matmul: inputs past lhs and rhs need an epilogue")
+        return [(shape, n.p("dtype"))]
+    # the epilogue: an elementwise map over the product's shape; its input acc_slot is the
+    # product (read one-to-one), the others are the node's inputs past lhs and rhs
+    slot = n.p("acc_slot", 0)
+    _need(len(ep.views) == len(n.inputs) - 1, "matmul: one epilogue view per input past rhs")
+    _need(0 <= slot < len(ep.views), f"matmul: epilogue acc_slot {slot} out of range")
+    _need(ep.space == shape, f"matmul: epilogue space {ep.space} is not the product's {shape}")
+    _need(not ep.reduce and not ep.program_reduce_axes(), "matmul: the epilogue reduces")
+    _need(ep.views[slot] == InputView.identity(3), "matmul: the epilogue reads the product 1:1")
+    extras = list(n.inputs[2:])
+    extras.insert(slot, Var(shape, n.p("dtype"), -1))  # the product (no id drawn)
+    _r_map(Node("map", tuple(extras), n.outputs, (("body", ep),), n.source))
+    return [(shape, ep.out_dtype)]
 
 
 def _r_gather(n: Node) -> list:

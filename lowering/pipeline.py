@@ -17,7 +17,15 @@ from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
 
 from .graph import Graph, check_graph
-from .passes import dce, fuse_maps, narrow_matmul, nt_matmul, to_maps
+from .passes import (
+    dce,
+    fuse_epilogue,
+    fuse_maps,
+    narrow_matmul,
+    nt_matmul,
+    sink_and_fuse,
+    to_maps,
+)
 from .schedule import map_fits, schedule
 
 __all__ = ["compile_graph", "graph_passes"]
@@ -44,6 +52,8 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
         ("narrow_matmul", narrow_matmul),
         ("to_maps", functools.partial(to_maps, card=card)),
         ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),
+        ("sink_and_fuse", functools.partial(sink_and_fuse, fits=fits, card=card)),
+        ("fuse_epilogue", fuse_epilogue),
         ("dce", dce),
     )
 

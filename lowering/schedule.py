@@ -53,12 +53,13 @@ from device_model.timing import stage_cost
 
 from .errors import TilingError
 from .graph import Graph, Node, Var
-from .passes import is_free_reshape
+from .passes import is_free_reshape, unfuse_epilogue
 from .tile_map import _map_general
 from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
 from .tiling import (
     _REDUCTIONS,
     _STEP_OVERHEAD_S,
+    Epilogue,
     _cands,
     _choose,
     _Ctx,
@@ -330,7 +331,7 @@ def _pick_matmul(
 
 
 def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
-    a, b = n.inputs
+    a, b = n.inputs[:2]
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
     rhs_t = bool(n.p("rhs_t", False))
@@ -358,6 +359,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     tm_c = _divisors(M)
     card = ctx.card
     cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
+    ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
     for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
@@ -365,9 +367,11 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         slots = 2 if steps > 1 else 1
         tkp, tkr = (Kp, Kr) if tk == K else (tk, tk)
         rblk = (1, tn, tkr) if rhs_t else (1, tk, tn)
+        if (tm, tno) not in ep_items:  # an epilogue's operands, in blocks of the output's
+            ep_items[tm, tno] = Epilogue(ctx, n, tm, tno).plan_items()
         plan = (
             ctx.plan_bytes([((1, tm, tkp), la.dtype), (rblk, lb.dtype)], slots)
-            + ctx.plan_bytes([((1, tm, tno), lo.dtype)], slots)
+            + ctx.plan_bytes([((1, tm, tno), lo.dtype)] + ep_items[tm, tno], slots)
             + ctx.plan_bytes([((1, tm, tn), "float32")], 1)
         )
         if plan > ctx.cap:
@@ -601,6 +605,10 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
         value = reduce_identity(kind, np_dtype(compute_dtype(n.out.dtype)))
         return _fill_stages(ctx, n.out, value.item(), n.source)
     if n.op == "matmul" and n.inputs[0].shape[2] == 0:
+        if n.p("epilogue") is not None:  # a product of zeros, then the epilogue's map
+            for m in unfuse_epilogue(n):
+                _schedule_node(ctx, m, ctx.card)
+            return []
         return _fill_stages(ctx, n.out, 0, n.source)
     if n.op == "gather" and n.inputs[0].shape[0] == 0:
         fill = n.p("fill_value")
@@ -621,11 +629,16 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
     return None
 
 
-def _matmul_stage(ctx: _Ctx, n: Node) -> Stage:
+def _matmul_stage(ctx: _Ctx, n: Node) -> list[Stage]:
     try:
-        return _matmul_stage_whole(ctx, n)
+        return [_matmul_stage_whole(ctx, n)]
     except TilingError as err:
-        return _matmul_general(ctx, n, err)
+        if n.p("epilogue") is not None:
+            # the fused stage does not fit: the matmul and its epilogue's map, one by one
+            for m in unfuse_epilogue(n):
+                _schedule_node(ctx, m, ctx.card)
+            return []
+        return [_matmul_general(ctx, n, err)]
 
 
 def _gather_stage(ctx: _Ctx, n: Node) -> list[Stage]:

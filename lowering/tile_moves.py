@@ -38,7 +38,7 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     """A matmul in ragged blocks: M in rows, N in whole sticks, K split across steps in whole
     lhs sticks (fp32 partial sums carried in the accumulator; a last K block past K is
     masked). Single-buffered when nothing else fits."""
-    a, b = n.inputs
+    a, b = n.inputs[:2]
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
     N = n.out.shape[2]

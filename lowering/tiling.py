@@ -144,6 +144,7 @@ def _tables(
     store_every: bool = False,
     reverse: bool = False,
     tile_order: tuple[int, ...] | None = None,
+    last_only: frozenset[int] = frozenset(),
 ) -> tuple:
     """Build loads/ring/stores/first/last for ``operands`` (the last is the output).
 
@@ -154,7 +155,8 @@ def _tables(
     order (``reverse``: last first) over consecutive steps. The output is stored after the last
     of them (``store_every``: after each). A block several cores need in one step is loaded by
     the first of them and forwarded over the ring; a window that lies wholly outside its tensor
-    is not loaded (-1).
+    is not loaded (-1). Inputs in ``last_only`` (indices) are loaded only on the last
+    ``reduce_axis`` step of each tile (a matmul epilogue's operands: read once, at the end).
     """
     par_axes = [a for a in range(len(grid)) if a != reduce_axis]
     par_grid = [grid[a] for a in par_axes]
@@ -196,8 +198,11 @@ def _tables(
     loads = np.full((T, nin, ncores), -1, np.int64)
     ring = np.full((T, nin, ncores), -1, np.int64)
     cores = np.arange(ncores)
+    lastk = kk == nk - 1
     for i, (op, lay) in enumerate(zip(operands[:-1], layouts[:-1], strict=True)):
         b = block_ids(op, lay)
+        if i in last_only:
+            b = np.where(lastk[:, None], b, -1)
         for t0 in range(0, T, 2048):  # the owner of each block: the first core holding it
             bb = b[t0 : t0 + 2048]
             owner = np.argmax(bb[:, :, None] == bb[:, None, :], axis=2)
@@ -205,7 +210,6 @@ def _tables(
             loads[t0 : t0 + 2048, i] = np.where(have & (owner == cores), bb, -1)
             ring[t0 : t0 + 2048, i] = np.where(have & (owner != cores), owner, -1)
     ob = block_ids(operands[-1], layouts[-1])
-    lastk = kk == nk - 1
     stores = ob if store_every else np.where(lastk[:, None], ob, -1)
     lt = loads.tolist()
     rt = ring.tolist()
@@ -391,6 +395,35 @@ def _window(
     return tuple(blk), tuple(gd), tuple(org), tuple(stp), local
 
 
+class Epilogue:
+    """A matmul node's epilogue in blocks: for output blocks ``[1, tm, tno]``, its operands
+    (the node's inputs past the rhs, read in windows of their views), their layouts, and the
+    epilogue body with each view made local to its block."""
+
+    def __init__(self, ctx: _Ctx, n: Node, tm: int, tno: int):
+        ep: MapBody | None = n.p("epilogue")
+        self.operands: list[Operand] = []
+        self.layouts: list[TensorLayout] = []
+        self.body: MapBody | None = None
+        if ep is None:
+            return
+        slot = n.p("acc_slot", 0)
+        bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
+        views = list(ep.views)
+        for i, v in enumerate(n.inputs[2:]):
+            j = i if i < slot else i + 1
+            lay = ctx.layout(v)
+            blk, gd, org, stp, local = _window(lay, ep.views[j], ep.space, bl)
+            self.operands.append(Operand(ctx.name(v), blk, gd, f"e{i}", org, stp))
+            self.layouts.append(lay)
+            views[j] = local
+        self.body = MapBody(ep.space, tuple(views), ep.program, "", (), ep.out_dtype)
+
+    def plan_items(self) -> list[tuple[tuple[int, ...], str]]:
+        """The scratchpad blocks of its operands (one buffer each)."""
+        return [(op.block, lay.dtype) for op, lay in zip(self.operands, self.layouts, strict=True)]
+
+
 def matmul_stage(
     ctx: _Ctx,
     n: Node,
@@ -402,8 +435,8 @@ def matmul_stage(
     tile_order: tuple[int, ...] | None = None,
 ) -> Stage:
     """The matmul stage over ``grid`` (axis 3 is K) for operand blocks already chosen: the
-    scratchpad plan (lhs, rhs, an fp32 accumulator of ``acc_block``, out), the tables, the
-    flops. Shared by the whole-block and the general tilers."""
+    scratchpad plan (lhs, rhs, an fp32 accumulator of ``acc_block``, out, and an epilogue's
+    operands), the tables, the flops. Shared by the whole-block and the general tilers."""
     lhs, rhs, out = operands
     la, lb, lo = layouts
     B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N] (or [B, N, K]: rhs_t)
@@ -411,6 +444,7 @@ def matmul_stage(
     N = n.out.shape[2]
     # an NT rhs in N blocks that do not divide N: the last block's rows past N load as NaN
     n_mask = N if rhs_t and N % rhs.block[1] else 0
+    ep = Epilogue(ctx, n, out.block[1], out.block[2])
     scratch = ctx.sp_plan(
         [
             ("lhs", lhs.block, la.dtype, slots),
@@ -418,20 +452,35 @@ def matmul_stage(
             ("acc", acc_block, "float32", 1),
             ("out", out.block, lo.dtype, slots),
         ]
+        + [
+            (op.sp, op.block, lay.dtype, slots)
+            for op, lay in zip(ep.operands, ep.layouts, strict=True)
+        ]
     )
     tabs = _tables(
-        grid, [lhs, rhs, out], [la, lb, lo], ctx.ncores, reduce_axis=3, tile_order=tile_order
+        grid,
+        [lhs, rhs, *ep.operands, out],
+        [la, lb, *ep.layouts, lo],
+        ctx.ncores,
+        reduce_axis=3,
+        tile_order=tile_order,
+        last_only=frozenset(range(2, 2 + len(ep.operands))),
     )
+    sfu = flops = 0
+    if ep.body is not None:
+        sfu, flops = _map_work(ep.body, ctx.card)
+    body = MatmulBody(K, n.p("dtype"), rhs_t, n_mask, ep.body, n.p("acc_slot", 0))
     return Stage(
         f"s{len(ctx.stages)}",
         "matmul",
         grid,
         3,
-        (lhs, rhs),
+        (lhs, rhs, *ep.operands),
         out,
         scratch,
-        (("PE", "matmul", MatmulBody(K, lo.dtype, rhs_t, n_mask)),),
+        (("PE", "matmul", body),),
         *tabs,
-        flops=2 * B * M * N * K,
+        flops=2 * B * M * N * K + flops,
+        sfu_elem_ops=sfu,
         source=n.source,
     )
