@@ -266,6 +266,46 @@ def nt_matmul(g: Graph) -> Graph:
     return dce(Graph(g.name, g.inputs, tuple(nodes), g.outputs, g.consts))
 
 
+def swap_matmul(g: Graph) -> Graph:
+    """The transpose of an NT matmul's product is the NT matmul with its operands swapped:
+    ``transpose(a @ b^T) = b @ a^T`` (``[B, P, K] x [B, Q, K]`` both read K-last either way).
+    A vmapped ``W @ x`` (equinox's ``Linear``) is traced as the weight times the activations
+    transposed, then transposed back; swapped, the product comes out in the layout its readers
+    want and the transpose stage is gone (and a map reading the product can become its
+    epilogue). Through the reshape that drops a leading batch of 1, when each value between is
+    read only there."""
+    uses = _use_counts(g)
+    made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
+    drop: set[int] = set()
+    replace: dict[int, list[Node]] = {}
+    for t in g.nodes:
+        if t.op != "transpose" or not _swaps_last_two(t) or uses.get(t.inputs[0].id) != 1:
+            continue
+        v = t.inputs[0]
+        src, mid = made.get(v.id), None
+        if src is not None and src.op == "reshape" and len(v.shape) == 2:
+            x = src.inputs[0]
+            if x.shape == (1, *v.shape) and uses.get(x.id) == 1:
+                mid, src = src, made.get(x.id)
+        if src is None or src.op != "matmul" or not src.p("rhs_t", False):
+            continue
+        if src.p("epilogue") is not None or (mid is None and len(v.shape) != 3):
+            continue
+        a, b = src.inputs
+        swapped = Var((a.shape[0], b.shape[1], a.shape[1]), src.out.dtype)
+        if mid is None:
+            nodes = [Node("matmul", (b, a), t.outputs, src.params, src.source)]
+        else:
+            nodes = [
+                Node("matmul", (b, a), (swapped,), src.params, src.source),
+                Node("reshape", (swapped,), t.outputs, params(shape=t.out.shape), t.source),
+            ]
+            drop.add(id(mid))
+        drop.add(id(src))
+        replace[id(t)] = nodes
+    return _splice(g, drop, replace)
+
+
 def _use_counts(g: Graph) -> dict[int, int]:
     """How many times each value is read (by a node, or as a graph output)."""
     uses: dict[int, int] = {}
@@ -709,7 +749,9 @@ def _sink_one(c: Node, made: dict[int, Node], stick: int) -> list[Node] | None:
     """:func:`sink_reshapes` for one map: its replacement nodes, or None."""
     body: MapBody = c.p("body")
     for s, v in enumerate(c.inputs):
-        if body.views[s] != InputView.identity(len(v.shape)) or not v.shape or 0 in v.shape:
+        if v.shape != body.space or body.views[s] != InputView.identity(len(v.shape)):
+            continue  # (an identity view of a longer input is a slice of it)
+        if not v.shape or 0 in v.shape:
             continue
         u = _reshape_root(v, made, stick)
         if u is v or u.shape == v.shape:
@@ -724,7 +766,7 @@ def _sink_one(c: Node, made: dict[int, Node], stick: int) -> list[Node] | None:
         views: list[InputView] = []
         for j, (w, view) in enumerate(zip(c.inputs, body.views, strict=True)):
             w0 = u if j == s else _reshape_root(w, made, stick)
-            if w0.shape == u.shape and view == InputView.identity(rv):
+            if w.shape == v.shape and w0.shape == u.shape and view == InputView.identity(rv):
                 ins.append(w0)  # the same reshape of a value of the new shape (a residual)
                 views.append(InputView.identity(ru))
                 continue

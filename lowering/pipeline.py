@@ -24,6 +24,7 @@ from .passes import (
     narrow_matmul,
     nt_matmul,
     sink_and_fuse,
+    swap_matmul,
     to_maps,
 )
 from .schedule import map_fits, schedule
@@ -49,6 +50,7 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
     fits = functools.partial(map_fits, card=card)
     return (
         ("nt_matmul", nt_matmul),
+        ("swap_matmul", swap_matmul),
         ("narrow_matmul", narrow_matmul),
         ("to_maps", functools.partial(to_maps, card=card)),
         ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),

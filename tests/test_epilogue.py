@@ -183,3 +183,21 @@ def test_graph_checker_rejects_bad_epilogues():
     for ep, slot, msg in bad:
         with pytest.raises(GraphError, match=msg):
             check_graph(_matmul_node(ep, slot))
+
+
+def test_vmapped_equinox_linears_swap_their_operands():
+    """A vmapped ``eqx.nn.Linear`` traces ``W @ x^T`` then a transpose: swapped to ``x @ W^T``
+    the transpose is gone and the bias and activation ride the store."""
+    import equinox as eqx
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    up = eqx.nn.Linear(128, 384, key=k1)
+    down = eqx.nn.Linear(384, 128, key=k2)
+
+    def mlp(x):
+        return jax.vmap(down)(jax.nn.gelu(jax.vmap(up)(x))) + x
+
+    x = _arr((64, 128), F32, seed=19)
+    kern, _ = _check_reference(mlp, x, k=384, chain=4)
+    assert [s.kind for s in kern.stages] == ["matmul", "matmul"]
+    assert all(ep is not None for ep in _epilogues(kern))
