@@ -201,3 +201,14 @@ def test_vmapped_equinox_linears_swap_their_operands():
     kern, _ = _check_reference(mlp, x, k=384, chain=4)
     assert [s.kind for s in kern.stages] == ["matmul", "matmul"]
     assert all(ep is not None for ep in _epilogues(kern))
+
+
+def test_a_slice_of_a_reshaped_product_is_not_read_as_the_whole():
+    # regression: a map reading the first columns of a reshaped product has an identity view
+    # (start 0, stride 1) of a longer input; sinking the reshape below it lost the slice
+    def f(x, w):
+        y = (x @ w).reshape(8, 8, 384)
+        return y[..., :128] + 1, y[..., 128:256] * 2
+
+    x, w = _arr((64, 128), F16, seed=20), _w((128, 384), F16, 21, 1 / 16)
+    _check_host(f, x, w, k=128, chain=2)
