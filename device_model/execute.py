@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import ops
+from . import matmul_ops, ops
 from .blocks import Source, from_blocks, static, take, uninit_value
 from .kernel import (
     Kernel,
@@ -273,7 +273,7 @@ def _matmul(
     else:
         k, tn = rhs.shape[2], rhs.shape[3]
     if k_valid is not None:
-        lhs, rhs = ops.mask_k(jnp, lhs[..., :k], rhs, k_valid, rt)
+        lhs, rhs = matmul_ops.mask_k(jnp, lhs[..., :k], rhs, k_valid, rt)
     lrows, rrows = pl.rows, pr.rows
     live = np.asarray([lrows[q] != pl.nan_row and rrows[q] != pr.nan_row for q in range(c)], bool)
     by_r: dict[int, list[int]] = {}
@@ -473,14 +473,14 @@ def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
         if params.n_logical:
             ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
             col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
-            r = ops.mask_n(jnp, r, col0, params.n_logical)
+            r = matmul_ops.mask_n(jnp, r, col0, params.n_logical)
         r = ops.fit(jnp, r, out.block)
         if params.epilogue is not None:
             extras = stage.inputs[2:]
             tiles = [bufs.read(op.sp, cx.slot(op.sp, t)) for op in extras]
             dts = [cx.decls[op.tensor].layout.dtype for op in extras]
             space = params.epilogue.space
-            r = ops.run_epilogue(jnp, params, r, tiles, dts, out.block, space, cx.dl16)
+            r = matmul_ops.run_epilogue(jnp, params, r, tiles, dts, out.block, space, cx.dl16)
         return r
     body = params[0]
     if body.reduce in ("argmax", "argmin"):

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from . import ops
+from . import matmul_ops, ops
 from .kernel import (
     Kernel,
     Operand,
@@ -236,7 +236,7 @@ def _compute(
         tk = body.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
         k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
         acc = sp.read("acc", 0)[None]
-        acc = ops.run_matmul_step(
+        acc = matmul_ops.run_matmul_step(
             np, acc, lhs, rhs, bool(stage.first[t]), k_valid, body.rhs_t, body.k_logical
         )
         sp.write("acc", 0, acc[0])
@@ -244,7 +244,7 @@ def _compute(
         if body.n_logical:
             ncol = blocks_of(decls[out.tensor].layout.device_shape, out.block)[-1]
             col0 = np.asarray([max(store_block, 0) % ncol * out.block[-1]])
-            r = ops.mask_n(np, r, col0, body.n_logical)
+            r = matmul_ops.mask_n(np, r, col0, body.n_logical)
         r = ops.fit(np, r, out.block)
         if body.epilogue is not None:
             if not stage.last[t]:
@@ -252,7 +252,9 @@ def _compute(
             extras = stage.inputs[2:]
             tiles = [tile(op) for op in extras]
             dts = [decls[op.tensor].layout.dtype for op in extras]
-            r = ops.run_epilogue(np, body, r, tiles, dts, out.block, body.epilogue.space, dl16)
+            r = matmul_ops.run_epilogue(
+                np, body, r, tiles, dts, out.block, body.epilogue.space, dl16
+            )
         sp.write(out.sp, oslot, r[0])
     elif stage.kind == "gather":
         body = params

@@ -17,16 +17,14 @@ from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
 
 from .graph import Graph, check_graph
-from .passes import (
-    dce,
+from .matmul_passes import (
     fuse_epilogue,
-    fuse_maps,
     narrow_matmul,
     nt_matmul,
     sink_and_fuse,
     swap_matmul,
-    to_maps,
 )
+from .passes import dce, fuse_maps, to_maps
 from .schedule import map_fits, schedule
 
 __all__ = ["compile_graph", "graph_passes"]

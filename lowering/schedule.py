@@ -53,7 +53,8 @@ from device_model.timing import stage_cost
 
 from .errors import TilingError
 from .graph import Graph, Node, Var
-from .passes import is_free_reshape, unfuse_epilogue
+from .matmul_passes import unfuse_epilogue
+from .passes import is_free_reshape
 from .tile_map import _map_general
 from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
 from .tiling import (

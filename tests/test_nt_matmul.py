@@ -20,7 +20,7 @@ from test_reference import _arr, _check
 
 import torch_bridge
 from lowering.graph import Graph, Node, Var, check_graph, params
-from lowering.passes import nt_matmul
+from lowering.matmul_passes import nt_matmul
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 SMALL = dict(scratchpad_bytes=16 * 1024, num_cores=4)
