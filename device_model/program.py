@@ -174,6 +174,22 @@ def _last_uses(
     return frees
 
 
+#: a stage whose simulated scratchpads and output take at least this many bytes is run, in a
+#: warm run, after the heap's free pages went back to the OS (``malloc_trim``, a few ms): its
+#: temporaries would otherwise come on top of the earlier stages' freed but retained ones, and
+#: the host's peak memory be theirs and its together
+BIG_STAGE_BYTES = 32 << 20
+
+
+def _big_stages(kernel: Kernel, decls: dict[str, TensorDecl]) -> set[int]:
+    big = set()
+    for i, st in enumerate(kernel.stages):
+        work = kernel.num_cores * st.sp_peak_bytes + decls[st.output.tensor].layout.nbytes
+        if work >= BIG_STAGE_BYTES:
+            big.add(i)
+    return big
+
+
 def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
     """The kernel as a function ``runner(*input_buffers) -> output_buffers``.
 
@@ -204,12 +220,18 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
 
     frees = _last_uses(kernel, steps, groups)
     first_run = [True]
+    big = _big_stages(kernel, decls)
 
     def runner(*args: Any) -> list[jax.Array]:
         env: dict[str, Any] = dict(zip(kernel.inputs, args, strict=True))
         bar = Progress(f"{kernel.name}: stages", len(steps), log) if first_run[0] else None
         # the first run compiles the new stage programs: a progress bar when it is long
         for i, (out, fn, reads, new) in enumerate(steps):
+            if i in big and bar is None and i > 0:
+                # a stage of a large working set starts from a heap with the free pages of the
+                # stages before it handed back (see :data:`BIG_STAGE_BYTES`)
+                env[steps[i - 1][0]].block_until_ready()
+                release_free_memory()
             env[out] = fn(*[lookup(env, n) for n in reads])
             if new and bar is not None:
                 release_free_memory()
@@ -224,6 +246,10 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
         if bar is not None:
             bar.close()
             first_run[0] = False
+        else:
+            # the freed intermediates' pages go back too, or each run's would add to the next
+            jax.block_until_ready([env[out] for out, *_ in steps[-1:]])
+            release_free_memory()
         results = []
         for o in kernel.outputs:
             lay = decls[o].layout

@@ -98,6 +98,21 @@ def test_help_exits_zero_and_lists_the_commands():
     assert "the demo, the benchmarks and the fuzzer" in " ".join(r.stdout.split())
 
 
+def test_bench_memory_peak_sees_a_short_peak():
+    # regression: the host peak was sampled by a thread every 20 ms, which misses an allocation
+    # made and freed while the main thread holds the GIL; the kernel's own peak record does not
+    import numpy as np
+
+    from spyre_jax.tools import bench_models
+
+    if bench_models._hwm_bytes() is None or not bench_models._reset_hwm():
+        pytest.skip("no resettable peak-RSS record (Linux /proc/self/clear_refs)")
+    with bench_models._PeakRSS() as mem:
+        a = np.ones(96 << 20, np.uint8)
+        del a
+    assert mem.added >= 90 << 20
+
+
 def test_coverage_description_is_coverage_common_first_line():
     assert cli.COVERAGE_DESCRIPTION == coverage_common.__doc__.split("\n")[0]
 

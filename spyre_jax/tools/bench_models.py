@@ -13,8 +13,9 @@ that minus a warm call's time, the compile alone), simulated prefill time (the s
 kernels' simulated times), the simulation's wall time of a second call beside eager CPU's (fp32)
 and their ratio, the scratchpad peak, the device-memory peak, the host peak RSS (of the whole
 process: the fp32 reference included), the host memory the simulation added while it compiled and
-ran (``sim_host_added_bytes``, sampled, after a one-layer narrow model of the same family went
-the same way first: ``runtime_warmup_bytes`` is the runtime's fixed cost that leaves out),
+ran (``sim_host_added_bytes``: the peak over the start, from the kernel's peak-RSS record, after
+a one-layer narrow model of the same family went the same way first: ``runtime_warmup_bytes`` is
+the runtime's fixed cost that leaves out),
 ``host_over_model``: the model's fp16 bytes plus that, over the model's fp16 bytes, and
 ``host_over_goal``: the same over ``1.5 x model + activations`` (``activation_bytes``: the
 device-memory peak less the weights there), the goal of the real-size issue; CPU fallbacks, and
@@ -143,8 +144,10 @@ JAX_MODELS: dict[str, Callable[[int | None, bool], Any]] = {"gpt2-small-eqx": _g
 
 
 def _logits(out: Any) -> torch.Tensor:
+    """The logits as the model returned them (their dtype: a wider copy inside the measured
+    block would count as the simulation's memory)."""
     t = out.logits if hasattr(out, "logits") else out[0]
-    return t.detach().float()
+    return t.detach()
 
 
 def _rss_bytes() -> int:
@@ -156,9 +159,34 @@ def _rss_now() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _hwm_bytes() -> int | None:
+    """The kernel's record of this process's peak resident memory since it was last reset
+    (``VmHWM``), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS record to the current RSS (Linux: ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class _PeakRSS:
-    """The peak resident memory while the block runs, above what it was when it began
-    (sampled every 20 ms by a thread): what the simulation adds to the host."""
+    """The peak resident memory while the block runs, above what it was when it began: what the
+    simulation adds to the host. Exact where the kernel keeps the peak and lets it be reset
+    (Linux's ``VmHWM``); otherwise sampled every 20 ms by a thread (which can miss a short peak
+    taken while another thread holds the GIL)."""
 
     def __enter__(self) -> _PeakRSS:
         import gc
@@ -166,6 +194,8 @@ class _PeakRSS:
 
         gc.collect()
         self.base = self.peak = _rss_now()
+        self.before = _rss_bytes()  # the process's peak so far: a reset below forgets it
+        self._exact = _reset_hwm() and _hwm_bytes() is not None
         self._stop = threading.Event()
 
         def sample() -> None:
@@ -173,10 +203,14 @@ class _PeakRSS:
                 self.peak = max(self.peak, _rss_now())
 
         self._t = threading.Thread(target=sample, daemon=True)
-        self._t.start()
+        if not self._exact:
+            self._t.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._exact:
+            self.peak = max(self.peak, _hwm_bytes() or 0)
+            return
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, _rss_now())
@@ -226,7 +260,7 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
         kernels=len(costs),
         scratchpad_peak_bytes=max((c["scratchpad_peak_bytes"] for c in costs), default=0),
         device_memory_peak_bytes=runtime().memory.stats()["peak_bytes_in_use"],
-        host_peak_rss_bytes=_rss_bytes(),
+        host_peak_rss_bytes=max(_rss_bytes(), mem.before),
         fallbacks=sum(tb.fallback_stats().values()),
         cosine=float(torch.dot(g, w) / (g.norm() * w.norm())),
         max_abs_err=float((g - w).abs().max()),
@@ -308,7 +342,7 @@ def _run_one_jax(
         )
         del half  # the weights now live on the card only
         compiled = f.lower(on_card, ids).compile()  # cached: the call below does not retrace
-        got = np.asarray(f(on_card, ids), dtype=np.float64)
+        got = np.asarray(f(on_card, ids))  # widened below, outside the measured block
         res["cold_compile_s"] = time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(reps):
@@ -317,13 +351,13 @@ def _run_one_jax(
     # the host copy of the weights was freed once they were on the card: count them once
     res.update(_memory(model_bytes, max(0, mem.added), model_bytes))
     cost = compiled.cost_analysis()
-    g, w = got.ravel(), want.ravel()
+    g, w = got.astype(np.float64).ravel(), want.ravel()
     res.update(
         sim_prefill_us=cost["sim_time_us"],
         kernels=1,
         scratchpad_peak_bytes=cost["scratchpad_peak_bytes"],
         device_memory_peak_bytes=runtime().memory.stats()["peak_bytes_in_use"],
-        host_peak_rss_bytes=_rss_bytes(),
+        host_peak_rss_bytes=max(_rss_bytes(), mem.before),
         fallbacks=0,  # spyre_jax.jit has no CPU fallback: a primitive with no rule raises
         cosine=float(g @ w / (np.linalg.norm(g) * np.linalg.norm(w))),
         max_abs_err=float(np.abs(g - w).max()),
