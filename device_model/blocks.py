@@ -186,6 +186,15 @@ class Source:
             if any(hi for _, hi in pads):
                 arr = jnp.pad(arr, pads, constant_values=fill)
             self.arr = arr
+            # the axes along which some block of the grid runs past the tensor: only these
+            # need a block's window shifted and masked (known here, whatever the step)
+            self.edges = [
+                ax
+                for ax, (g, o, s, b, d) in enumerate(
+                    zip(self.grid, op.origins, op.steps, op.block, arr.shape, strict=True)
+                )
+                if ((o + np.arange(g) * s < 0) | (o + np.arange(g) * s > d - b)).any()
+            ]
         else:
             self.blocked = operand_blocks(jnp, arr, op, fill)
 
@@ -212,7 +221,7 @@ class Source:
         # an edge block: the window was clamped inside the array; shift its part of the tensor
         # to the block's start and fill what lies past the tensor
         for ax, (st, cl, b, d) in enumerate(zip(starts, clamped, op.block, arr.shape, strict=True)):
-            if xp is np and (st == cl).all():
+            if ax not in self.edges or (xp is np and (st == cl).all()):
                 continue
             i = xp.arange(b)
             src = xp.clip(i[None, :] + (st - cl)[:, None], 0, b - 1)

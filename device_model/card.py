@@ -75,6 +75,15 @@ class CardSpec:
             The same fit's broadcast (118 GB/s) and cross-row reduction (113 GB/s) rates are not
             used: the one direct measurement of a reduction kernel, the softmax above, ran at
             128.6 GB/s, which the 113 GB/s rate would put at about 297 us instead of 261.
+        link_bw: 64 GB/s per direction, the card-to-card link tensor parallelism's collectives
+            run on: PCIe gen5 x16 peer-to-peer (the card's bus; CARD.md). Assumption: no
+            card-to-card bandwidth is published (CARD.md, "Serving configurations"), so the
+            bus's per-direction rate stands in; a switch or host bridge between the cards would
+            lower it.
+        link_latency_s: 2 us per hop of a collective (one peer-to-peer transfer's setup and
+            flight). Assumption: not published for the card; typical of PCIe peer-to-peer DMA
+            between accelerators (1-3 us in public GPU measurements such as NVIDIA's
+            ``p2pBandwidthLatencyTest``).
         streams_per_priority: 32 streams of each priority besides the default stream 0: ids
             1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
@@ -106,6 +115,8 @@ class CardSpec:
     bmm_macs_per_ns_per_core: float = 160.0
     bmm_batch_outer_speedup: float = 8.3
     relayout_bw: float = 116e9
+    link_bw: float = 64e9
+    link_latency_s: float = 2e-6
     streams_per_priority: int = 32
     dl16_rounding: bool = False
 

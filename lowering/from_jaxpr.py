@@ -351,6 +351,22 @@ def _broadcast(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [b.emit("broadcast", [x], shape, dt, shape=shape, dims=dims)]
 
 
+@rule("tile")
+def _tile(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    # jnp.tile: each dim d repeated r times whole, as a broadcast to (r0, d0, r1, d1, ...) and a
+    # reshape to (r0 * d0, r1 * d1, ...)
+    shape, dt = _aval(eqn.outvars[0])
+    x = b.as_var(args[0])
+    reps = tuple(int(r) for r in eqn.params["reps"])
+    lead = (1,) * (len(reps) - len(x.shape))
+    if lead:
+        x = b.reshape(x, lead + tuple(x.shape))
+    pairs = tuple(v for r, d in zip(reps, x.shape, strict=True) for v in (r, d))
+    dims = tuple(range(1, 2 * len(reps), 2))
+    wide = b.emit("broadcast", [x], pairs, dt, shape=pairs, dims=dims)
+    return [b.reshape(wide, shape)]
+
+
 @rule("reshape")
 def _reshape(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, _ = _aval(eqn.outvars[0])

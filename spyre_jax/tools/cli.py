@@ -82,6 +82,23 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 1 if rep["failed"] else 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from device_model.memory import DeviceOOMError
+
+    from . import estimate as est
+
+    try:
+        opts = ("tp", "prefill", "decode_context", "batch", "dtype")
+        r = est.estimate(args.config, **{k: getattr(args, k) for k in opts})
+    except (est.ConfigError, DeviceOOMError, OSError, json.JSONDecodeError) as e:
+        print(f"spyre-jax estimate: {e}", file=sys.stderr)
+        return 2
+    if args.trace:
+        est.write_trace(r, args.trace)
+    print(json.dumps(r) if args.json else est.format_estimate(r))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "coverage":
@@ -146,6 +163,23 @@ def main(argv: list[str] | None = None) -> int:
         help="real-size shapes: about one program in ten (mix), all (only), none (off)",
     )
     pf.add_argument("--json", action="store_true", help="print one JSON object")
+    pe = sub.add_parser(
+        "estimate", help="time and memory of a model on 1-8 cards from its config.json alone"
+    )
+    pe.add_argument(
+        "config", help="a Hugging Face config.json (llama, granite, mistral, qwen2, gpt2)"
+    )
+    pe.add_argument("--tp", type=int, default=1, help="tensor-parallel cards (default 1)")
+    pe.add_argument("--prefill", type=int, default=128, help="prompt tokens (default 128)")
+    pe.add_argument(
+        "--decode-context", type=int, default=128, help="context of a decode step (default 128)"
+    )
+    pe.add_argument("--batch", type=int, default=1, help="sequences at once (default 1)")
+    pe.add_argument("--dtype", default="float16", help="float16 (default), bfloat16, float32")
+    pe.add_argument("--json", action="store_true", help="print one JSON object")
+    pe.add_argument(
+        "--trace", default=None, help="write a Chrome trace of prefill and a decode step"
+    )
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
         args.reps = {"models": 1, "sim": 15}.get(args.which, 5)
@@ -159,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.cmd == "fuzz":
         return _fuzz(args)
+    if args.cmd == "estimate":
+        return _estimate(args)
     return 2  # pragma: no cover
 
 
