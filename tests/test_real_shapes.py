@@ -507,3 +507,25 @@ def test_flatten_of_rows_longer_than_the_scratchpad(shape):
     np.testing.assert_array_equal(got, x.reshape(-1) * 2)
     back = np.asarray(spyre_jax.jit(lambda v: (v * 2).reshape(-1).reshape(shape))(x))
     np.testing.assert_array_equal(back, x * 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "reps", "dtype"),
+    [
+        ((3, 5), (4, 1), np.float32),
+        ((3, 70), (2, 3), np.float16),
+        ((4,), (2, 3), np.float32),
+        ((2, 3, 64), (1, 2, 1), np.float16),
+        ((128, 128), (4, 1), np.bool_),
+    ],
+)
+def test_tile_is_lowered(shape, reps, dtype):
+    # regression: jnp.tile is a primitive of its own (``tile``) in jax 0.10 and had no rule
+    # (grouped-query attention's causal mask, tiled per head of a group, raised
+    # UnsupportedPrimitiveError)
+    x = (np.arange(math.prod(shape)) % 7).reshape(shape).astype(dtype)
+
+    def f(a: jax.Array) -> jax.Array:
+        return jnp.tile(a, reps)
+
+    np.testing.assert_array_equal(np.asarray(spyre_jax.jit(f)(x)), np.asarray(jax.jit(f)(x)))
