@@ -74,7 +74,8 @@ def _canonical(
 
     Two stages with one signature compute the same function of their inputs: the same tables,
     bodies and scratchpad plan over tensors of the same layouts (the tensors renamed ``t0``,
-    ``t1``, ... in order of first use). The identical layers of a model give identical stages.
+    ``t1``, ... in order of first use, whatever their roles). The identical layers of a model
+    give identical stages.
     """
     reads = [op.tensor for op in stage.inputs]
     unit, kind, prm = stage.body[0]
@@ -93,17 +94,16 @@ def _canonical(
         output=replace(stage.output, tensor=ren[stage.output.tensor]),
         body=body,
     )
+    # a tensor's role (input, view, temp, ...) is not part of it: the program reads and writes
+    # arrays of the same layouts either way (the same layer's stages read a model input in the
+    # first layer and an intermediate in the others)
     layouts = tuple(decls[n].layout for n in names)
-    roles = tuple(decls[n].role for n in names)
-    return (canon, layouts, roles, ncores, dl16), tuple(dict.fromkeys(reads))
+    return (canon, layouts, ncores, dl16), tuple(dict.fromkeys(reads))
 
 
 def _stage_program(key: Any) -> Callable[..., jax.Array]:
-    canon, layouts, roles, ncores, dl16 = key
-    decls = {
-        f"t{i}": TensorDecl(f"t{i}", lay, r)
-        for i, (lay, r) in enumerate(zip(layouts, roles, strict=True))
-    }
+    canon, layouts, ncores, dl16 = key
+    decls = {f"t{i}": TensorDecl(f"t{i}", lay, "temp") for i, lay in enumerate(layouts)}
 
     def program(*args: jax.Array) -> jax.Array:
         # an argument may be another view of the tensor's buffer: reshaped here, inside the jit

@@ -386,3 +386,19 @@ def test_warm_staged_runs_hand_the_heap_back_before_big_stages(fresh_card, monke
             np.testing.assert_array_equal(a, np.asarray(b))
     # every stage but the first is preceded by a trim, and each run ends with one
     assert len(trims) == 2 * len(kernel.stages)
+
+
+def test_a_stage_reading_a_model_input_shares_the_program_of_one_reading_an_intermediate(
+    fresh_card,
+):
+    # regression: a tensor's role was part of a stage's signature, so a layer whose residual is
+    # a model input (the first) or an output (the last) compiled programs of its own although the
+    # program is the same function of arrays of the same layouts
+    x, ws = _inputs(4)
+    kernel = spyre_jax.jit(_layers(4)).lower(x, ws).compile().executable.kernel
+    decls = {t.name: t for t in kernel.tensors}
+    keys = [program._canonical(st, decls, kernel.num_cores, kernel.dl16)[0] for st in kernel.stages]
+    per_layer = len(keys) // 4
+    assert len(keys) == 4 * per_layer
+    first, *rest = [keys[i * per_layer : (i + 1) * per_layer] for i in range(4)]
+    assert all(layer == first for layer in rest)
