@@ -158,3 +158,44 @@ def test_cli_estimate(tmp_path, capsys):
     assert cli.main(["estimate", str(bad)]) == 2
     assert "'model_type' is 'bert'" in capsys.readouterr().err
     assert cli.main(["estimate", str(tmp_path / "missing.json")]) == 2
+
+
+def _kernel_times(build, ids):
+    import torch
+
+    from torch_bridge import backend as tb
+
+    torch._dynamo.reset()
+    before = len(tb.compiled_kernels())
+    with torch.no_grad():
+        out = torch.compile(build(), backend="spyre", dynamic=False)(ids)
+    return out, [k.cost_analysis()["sim_time_us"] for k in tb.compiled_kernels()[before:]]
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+def test_a_torch_model_without_weights_compiles_for_its_timing(fresh_card, mode):
+    # a model on the meta device, or built under FakeTensorMode, compiles through the backend
+    # as a real one does: its kernels' simulated times are the real model's; nothing runs, and
+    # the results are shapes on the model's meta or fake device
+    import contextlib
+
+    import torch
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=500)
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    _, want = _kernel_times(
+        lambda: transformers.GPT2LMHeadModel(cfg).eval(), torch.zeros((1, 32), dtype=torch.long)
+    )
+    fake = FakeTensorMode() if mode == "fake" else contextlib.nullcontext()
+    with fake:
+        device = "meta" if mode == "meta" else "cpu"
+        with torch.device(device):
+            ids = torch.zeros((1, 32), dtype=torch.long)
+            out, got = _kernel_times(lambda: transformers.GPT2LMHeadModel(cfg).eval(), ids)
+    assert got == pytest.approx(want) and len(got) >= 1
+    logits = out.logits
+    assert tuple(logits.shape) == (1, 32, 500)
+    assert logits.is_meta if mode == "meta" else isinstance(logits, FakeTensor)

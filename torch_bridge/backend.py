@@ -13,6 +13,7 @@ node's source line.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import time
@@ -219,12 +220,35 @@ class _CardGraph:
         return self.executable.as_text()
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
+        shapes_only = _shapes_only(args)
+        if shapes_only is not None:
+            # a model on the meta device or under FakeTensorMode: timing only. The kernel is
+            # compiled (its cost_analysis() holds the simulated time); nothing runs, and the
+            # results are tensors of the right shapes on the arguments' meta or fake device
+            mode, device = shapes_only
+            with mode:
+                return tuple(
+                    torch.empty(tuple(m.shape), dtype=m.dtype, device=device) for m in self.out_meta
+                )
         # spyre tensors go in as the card buffers they are (no host round trip) and results on
         # spyre come back as spyre tensors; CPU tensors are copied in and out
         if self.executable.rt is not runtime():  # set_card since: load it on the new card
             self.executable = load(self.graph)
             self.kernel, self.recipe = self.executable.kernel, self.executable.recipe
         return run_graph(self.executable, args, self.out_meta)
+
+
+def _shapes_only(args: Sequence[Any]) -> tuple[Any, Any] | None:
+    """(a context to create results in, their device) when an argument has no data (a meta
+    tensor, or a FakeTensor); None when every tensor argument is real."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for a in args:
+        if isinstance(a, FakeTensor):
+            return a.fake_mode, a.device
+        if isinstance(a, torch.Tensor) and a.is_meta:
+            return contextlib.nullcontext(), torch.device("meta")
+    return None
 
 
 def _val(n: Any) -> Any:
