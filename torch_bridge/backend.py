@@ -26,7 +26,7 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -241,8 +241,6 @@ class _CardGraph:
 def _shapes_only(args: Sequence[Any]) -> tuple[Any, Any] | None:
     """(a context to create results in, their device) when an argument has no data (a meta
     tensor, or a FakeTensor); None when every tensor argument is real."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     for a in args:
         if isinstance(a, FakeTensor):
             return a.fake_mode, a.device
