@@ -400,6 +400,54 @@ def _index_select(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var) -
     return b.transpose(g, inv)
 
 
+def _indexable(node: torch.fx.Node) -> bool:
+    """``x[i0, i1, ...]`` with integer index tensors on adjacent dims (``None`` for whole dims
+    before or after them): the form ``aten.index.Tensor`` has a rule for. Boolean masks (whose
+    result size depends on the data) and index tensors on dims apart run on the CPU."""
+    idx = node.args[1]
+    pos = [i for i, t in enumerate(idx) if t is not None]
+    if not pos or pos != list(range(pos[0], pos[0] + len(pos))):
+        return False
+    for i in pos:
+        v = meta_val(idx[i]) if isinstance(idx[i], torch.fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype == torch.bool:
+            return False
+    return True
+
+
+@rule(aten.index.Tensor, when=_indexable)
+def _index(b: Builder, node: torch.fx.Node, x: Var, indices: list[Any]) -> Var:
+    """Advanced indexing as one row gather: the indexed dims (moved first) flattened into the
+    table's rows, the others into its row; each result element's row is the sum of its index
+    tensors (broadcast together, negatives counted from the end) times the dims' strides. The
+    broadcast dims land where the indexed dims were."""
+    shape, dt = result(node)
+    pos = [i for i, t in enumerate(indices) if t is not None]
+    p, k, r = pos[0], len(pos), len(x.shape)
+    perm = (*range(p, p + k), *range(p), *range(p + k, r))
+    xt = b.transpose(x, perm) if perm != tuple(range(r)) else x
+    lead, rest = x.shape[p : p + k], (*x.shape[:p], *x.shape[p + k :])
+    bshape = shape[p : p + len(shape) - len(rest)]
+    off: Var | None = None
+    for j, i in enumerate(pos):
+        t = operand(b, indices[i], bshape, "int32")
+        n, stride = lead[j], math.prod(lead[j + 1 :])
+        neg = b.elementwise("lt", [t, Lit(0, "int32")], bshape, "bool")
+        wrapped = b.elementwise("add", [t, Lit(n, "int32")], bshape, "int32")
+        t = b.elementwise("select_n", [neg, t, wrapped], bshape, "int32")
+        term = ew_raw(b, "mul", [t, stride], bshape, "int32") if stride != 1 else t
+        off = term if off is None else b.elementwise("add", [off, term], bshape, "int32")
+    assert off is not None
+    flat = b.reshape(off, (math.prod(bshape),))
+    width = math.prod(rest)
+    tab = b.reshape(xt, (math.prod(lead), width))
+    g = b.emit("gather", [tab, flat], (flat.shape[0], width), dt, mode="clip")
+    g = b.reshape(g, (*bshape, *rest))
+    nb = len(bshape)
+    back = (*range(nb, nb + p), *range(nb), *range(nb + p, nb + len(rest)))
+    return b.transpose(g, back) if back != tuple(range(len(back))) else g
+
+
 @rule(aten.gather.default)
 def _gather(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var, **kw: Any) -> Var:
     """``out[i] = x[i with coordinate dim replaced by idx[i]]``: a row gather on x flattened to

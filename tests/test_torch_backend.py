@@ -422,3 +422,60 @@ def test_index_put_that_accumulates_runs_on_the_cpu():
 
     _check(f, torch.zeros(8, 64), torch.tensor([1, 1, 3]), torch.ones(3, 64), fallback_ok=True)
     assert tb.fallback_stats().get("aten.index_put.default", 0) >= 1
+
+
+_I = torch.tensor([[0, 2], [-1, 1]])  # negative indices count from the end
+_J = torch.tensor([3, -2, 0])
+
+INDEXING = {
+    "rows": lambda x: x[_I],
+    "two dims broadcast": lambda x: x[_I[:, :1], _J[None, :2]],
+    "middle dims": lambda x: x[:, _J[:2], _I[:, 1:]],
+    "last dim": lambda x: x[..., _J],
+    "int32 indices": lambda x: x[_J.to(torch.int32)],
+    "transformers' mask index": lambda x: x[
+        torch.arange(2).view(2, 1, 1, 1), torch.arange(5).view(1, 1, 5, 1) % 4
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEXING))
+def test_advanced_indexing_runs_on_the_card(name):
+    # regression: aten.index.Tensor had no rule; transformers' causal-mask functions index the
+    # cache positions this way whenever use_cache=False, so Llama and GPT-2 fell back to the CPU
+    x = _rand((4, 5, 6), torch.float32)
+    _check(INDEXING[name], x)
+    _check(INDEXING[name], (torch.arange(120).reshape(4, 5, 6) - 60).to(torch.int64))
+
+
+def test_indexing_the_card_has_no_rule_for_runs_on_the_cpu():
+    # a boolean mask (data-dependent size) and index tensors on dims apart keep the CPU
+    x = _rand((4, 5, 6), torch.float32)
+    before = tb.fallback_stats().get("aten.index.Tensor", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _check(lambda x: x[_I[0], :, _J[:2]], x, fallback_ok=True)
+    assert tb.fallback_stats().get("aten.index.Tensor", 0) > before
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _compile(lambda x: x[x > 0])(x)  # Dynamo may split the graph at the mask
+    torch.testing.assert_close(got, x[x > 0])
+
+
+def test_a_model_without_its_cache_has_no_cpu_fallback():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    _check(lambda ids: model(ids).logits, ids, k=4)
