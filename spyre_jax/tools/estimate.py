@@ -397,6 +397,8 @@ def estimate(
     weights = m.layers * layer_bytes + embed_bytes + head_bytes + pos_bytes
     ctx = max(prefill, decode_context)
     kv_bytes = 2 * m.layers * batch * kvh * ctx * hd * isz
+    # the activations live at once in a layer, roughly: the residual stream, a normed copy and
+    # the MLP's two intermediate tensors, over the whole prompt (an allowance, not a plan)
     act_bytes = 4 * batch * prefill * max(w, m.intermediate // tp) * isz
     need = weights + kv_bytes + act_bytes
     limit = card.device_memory_usable_bytes
