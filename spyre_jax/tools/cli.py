@@ -83,14 +83,12 @@ def _fuzz(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from device_model.memory import DeviceOOMError
-
     from . import estimate as est
 
     try:
         opts = ("tp", "prefill", "decode_context", "batch", "dtype")
         r = est.estimate(args.config, **{k: getattr(args, k) for k in opts})
-    except (est.ConfigError, DeviceOOMError, OSError, json.JSONDecodeError) as e:
+    except (est.ConfigError, est.DeviceOOMError, OSError, json.JSONDecodeError) as e:
         print(f"spyre-jax estimate: {e}", file=sys.stderr)
         return 2
     if args.trace:

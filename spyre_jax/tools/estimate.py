@@ -42,6 +42,7 @@ from device_model.memory import DeviceOOMError
 
 __all__ = [
     "ConfigError",
+    "DeviceOOMError",
     "ModelShape",
     "read_config",
     "estimate",
