@@ -230,7 +230,7 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
             if i in big and bar is None and i > 0:
                 # a stage of a large working set starts from a heap with the free pages of the
                 # stages before it handed back (see :data:`BIG_STAGE_BYTES`)
-                env[steps[i - 1][0]].block_until_ready()
+                jax.block_until_ready([env[o] for o, *_ in steps[i - 1 : i] if o in env])
                 release_free_memory()
             env[out] = fn(*[lookup(env, n) for n in reads])
             if new and bar is not None:
@@ -248,7 +248,7 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
             first_run[0] = False
         else:
             # the freed intermediates' pages go back too, or each run's would add to the next
-            jax.block_until_ready([env[out] for out, *_ in steps[-1:]])
+            jax.block_until_ready([env[o] for o, *_ in steps[-1:] if o in env])
             release_free_memory()
         results = []
         for o in kernel.outputs:
