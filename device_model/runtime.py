@@ -24,6 +24,7 @@ stands on it); the card program is built, and JAX imported, by the first launch.
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import weakref
@@ -172,6 +173,7 @@ class DeviceBuffer:
         "_fin",
         "_base",
         "_view",
+        "_owns",
         "__weakref__",
     )
 
@@ -189,6 +191,7 @@ class DeviceBuffer:
         self.readers: list[Any] | None = None
         self._base: DeviceBuffer | None = None
         self._view: Any = None
+        self._owns = False
         self._fin = weakref.finalize(self, _free_quiet, rt, addr)
 
     @classmethod
@@ -212,14 +215,21 @@ class DeviceBuffer:
 
     @classmethod
     def view(
-        cls, base: DeviceBuffer, layout: TensorLayout, payload: Any, *, shares_host: bool = True
+        cls,
+        base: DeviceBuffer,
+        layout: TensorLayout,
+        payload: Any,
+        *,
+        shares_host: bool = True,
+        owns: bool = False,
     ) -> DeviceBuffer:
         """``payload`` (an array over ``base``'s bytes, in ``layout``) as a buffer of its own
         that shares ``base``'s address: steps that read it read ``base``. ``shares_host``: the
-        payload is memory the host writes (not an immutable card array)."""
+        payload is memory the host writes (not an immutable card array). ``owns``: deleting the
+        view frees ``base``."""
         v = cls.__new__(cls)
         v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
-        v._base, v._view, v.shares_host = base, payload, shares_host
+        v._base, v._view, v.shares_host, v._owns = base, payload, shares_host, owns
         v.readers = None
         v._fin = weakref.finalize(v, _no_op)
         return v
@@ -247,9 +257,11 @@ class DeviceBuffer:
             self.rt.memory.store(self.addr, payload)
 
     def delete(self) -> None:
-        """Free the region now (idempotent; a view frees nothing)."""
+        """Free the region now (idempotent; a view frees nothing, unless it owns its base)."""
         if self._base is None:
             self._fin()
+        elif self._owns:
+            self._base.delete()
 
     def __repr__(self) -> str:
         what = self.layout if self.layout is not None else f"{self.nbytes} bytes"
@@ -528,6 +540,14 @@ class Executable:
             self._device_array = functools.partial(jax.device_put, may_alias=True)
             self._block = jax.block_until_ready
         return self._runner
+
+    def with_runner(self, runner: Any) -> Executable:
+        """This executable (its recipe, figures and constants) with another card program of the
+        same signature, e.g. one that also gathers its operands from their sources."""
+        self.runner()
+        ex = copy.copy(self)
+        ex._runner = runner
+        return ex
 
     def __repr__(self) -> str:
         return f"<spyre Executable {self.kernel.name}: {self.num_inputs} args>"

@@ -67,3 +67,53 @@ def test_numbers_of_any_value_share_one_kernel_on_the_fast_path():
         torch.testing.assert_close((a + v).cpu(), a.cpu() + v)
     torch.testing.assert_close(torch.add(a, 2.0, alpha=3).cpu(), a.cpu() + 6.0)
     assert eager.stats()["compiles"] - before <= 1  # the alpha= call (kwargs: the general path)
+
+
+def test_a_strided_operand_is_gathered_inside_the_kernel_that_reads_it(monkeypatch):
+    from torch_bridge import relayout
+
+    w0, x0 = torch.randn(96, 128), torch.randn(8, 128)
+    w, x = w0.to("spyre"), x0.to("spyre")
+    calls = []
+    gather = relayout.gather
+    monkeypatch.setattr(relayout, "gather", lambda *a: calls.append(a) or gather(*a))
+    for _ in range(3):  # the geometry's first use is a host copy; later ones fold into the kernel
+        y = x @ w.t()
+        z = (x * 2).t() + 1  # a view of a pending result
+    torch.testing.assert_close(y.cpu(), x0 @ w0.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(z.cpu(), (x0 * 2).t() + 1)
+    assert not calls  # no separate gather program ran
+    plans = [p for p in eager._plans.values() if p.fused]
+    assert plans
+
+
+def test_a_result_laid_out_by_strides_is_read_without_the_host_waiting():
+    x = torch.randn(64, 128)
+    a = x.to("spyre")
+    for i in range(3):
+        r = a.t() * 2  # torch keeps the input's order: strides (1, 128)
+        assert r.stride() == (1, 128)
+        s = r[:, 1:] + 1  # a strided, offset view of the pending result
+        # gathered on the card, not via the host (but for the geometry's first use)
+        assert i == 0 or storage.region(r).pending is not None
+    torch.testing.assert_close(s.cpu(), x.t()[:, 1:] * 2 + 1)
+
+
+def test_whole_tensor_copies_and_in_place_results_stay_on_the_card():
+    x = torch.randn(64, 64)
+    a = x.to("spyre")
+    b = torch.empty(64, 64, device="spyre")
+    b.copy_(a * 2)
+    assert storage.region(b).pending is not None  # took the result as it is
+    b.add_(1.0)  # computed on the card, written back without the host
+    assert storage.region(b).pending is not None
+    v = b.view(4096)  # another view of the same storage sees the new values
+    torch.testing.assert_close(v.cpu(), (x * 2 + 1).reshape(4096))
+    b[0].copy_(a[1] * 3)  # a part of the storage: through the host, still right
+    want = x * 2 + 1
+    want[0] = x[1] * 3
+    torch.testing.assert_close(b.cpu(), want)
+    c = b[1:].clone()
+    b.copy_(c.new_zeros(64, 64) + 5)  # the old bytes' readers are unaffected
+    torch.testing.assert_close(c.cpu(), want[1:])
+    assert bool((b.cpu() == 5).all())

@@ -41,6 +41,7 @@ from .storage import (
     alias,
     check_same_device,
     contig_strides,
+    copy_on_card,
     device_step,
     host_reads,
     host_writes,
@@ -137,8 +138,9 @@ def _k_copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = Fal
     """``dst.copy_(self)`` where either is on spyre: host<->device copies and device copies,
     with torch's broadcasting and dtype conversion."""
     if is_spyre(dst) and is_spyre(self):
-        alias(dst).copy_(alias(self))
-        device_step("copy", dst, [self])
+        if not copy_on_card(dst, self):
+            alias(dst).copy_(alias(self))
+            device_step("copy", dst, [self])
     elif is_spyre(dst):
         if self.device.type != "cpu":
             self = self.cpu()

@@ -253,8 +253,9 @@ def _write_back(op: Any, written: list, results: list) -> Any:
                     f"{list(r.shape)}"
                 )
             dst.resize_(r.shape)
-        st.alias(dst).copy_(st.alias(r))
-        st.device_step("copy", dst, [r])
+        if not st.copy_on_card(dst, r):
+            st.alias(dst).copy_(st.alias(r))
+            st.device_step("copy", dst, [r])
     ts = [d for d, _ in written]
     return ts[0] if len(op._schema.returns) == 1 else tuple(ts)
 
@@ -280,7 +281,7 @@ class _Plan:
     """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
     inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
 
-    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad")
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad", "fused")
 
     def __init__(self) -> None:
         self.compiled: Any = None
@@ -293,6 +294,8 @@ class _Plan:
         self.host = False  # runs on the host silently (no elements to compute)
         #: on a size bucket's kernel: (the padding, each result's own layout), else None
         self.pad: tuple[buckets.Padding, list[Any]] | None = None
+        #: operand geometries -> the executable that gathers them in its program (_fused)
+        self.fused: dict[tuple, Any] = {}
 
 
 _plans: dict[Any, _Plan] = {}
@@ -628,15 +631,17 @@ def _launch(plan: _Plan, leaves: list) -> Any:
     temps = []
     pad = plan.pad
     padding = 0
+    geometries: list[Any] = []
     try:
         for i, kind, pdt, lay in plan.inputs:
             x = leaves[i]
+            g = None
             if kind == "T":
                 if pad:
                     b = st.as_card_buffer(x, lay, pad[0].fills[i])
                     padding += (math.prod(lay.shape) - x.numel()) * np_dtype(lay.dtype).itemsize
                 else:
-                    b = st.as_card_buffer(x, lay)
+                    b, g = st.card_operand(x, lay)
                 temps.append(b)
                 operands.append(b)
             elif kind == "C":
@@ -644,7 +649,11 @@ def _launch(plan: _Plan, leaves: list) -> Any:
             else:  # a number: lifted (general path) or as the call gave it (fast path)
                 v = x.v if type(x) is _Lift else x
                 operands.append(np.asarray(v, dtype=_NP_OF[pdt]))
-        bufs = launch(plan.compiled, operands)
+            geometries.append(g)
+        exe = plan.compiled
+        if any(g is not None for g in geometries):
+            exe = _fused(plan, tuple(geometries))
+        bufs = launch(exe, operands)
     finally:
         for b in temps:
             b.delete()
@@ -660,6 +669,40 @@ def _launch(plan: _Plan, leaves: list) -> Any:
         ]
     res = [st.from_card(b, dt, sd) for b, (dt, sd) in zip(bufs, plan.outs, strict=True)]
     return res[0] if plan.single else tuple(res)
+
+
+def _fused(plan: _Plan, geometries: tuple) -> Any:
+    """The plan's executable with the gathers of its strided, offset or re-typed operands
+    folded into its program (:func:`torch_bridge.relayout.fused`): one dispatch per launch,
+    cached by the operands' geometries. A kernel run stage by stage takes its operands
+    gathered one by one."""
+    fused = plan.fused
+    exe = fused.get(geometries)
+    if exe is None:
+        runner = plan.compiled.runner()
+        if not hasattr(runner, "lower"):  # staged: not one program
+            exe = plan.compiled.with_runner(_gathering(runner, geometries))
+        else:
+            exe = plan.compiled.with_runner(st._relayout().fused(runner, geometries))
+        with _lock:
+            if len(fused) >= FUSED_PER_PLAN:
+                fused.clear()
+            fused[geometries] = exe
+    return exe
+
+
+#: fused programs kept per plan (one per combination of operand geometries seen)
+FUSED_PER_PLAN = 64
+
+
+def _gathering(runner: Any, geometries: tuple) -> Any:
+    gather = st._relayout().gather
+
+    def run(*args: Any) -> Any:
+        ins = [a if g is None else gather(a, g) for g, a in zip(geometries, args, strict=False)]
+        return runner(*ins, *args[len(geometries) :])
+
+    return run
 
 
 def _user_stacklevel() -> int:

@@ -21,8 +21,9 @@ import torch
 from jax import lax
 
 from device_model.layout import TensorLayout, np_dtype
+from device_model.program import COMPILER_OPTIONS
 
-__all__ = ["gather", "host_bytes", "crop", "worth_compiling"]
+__all__ = ["gather", "host_bytes", "crop", "worth_compiling", "fused"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -65,9 +66,11 @@ def _program(
     def run(src: jax.Array) -> jax.Array:
         if kind == "bytes":  # a storage's bytes: ("bytes", torch dtype)
             flat = _decode(src, source[1])
-        else:  # a pending result in its card layout: ("card", its logical shape)
+        else:  # a pending result in its card layout: ("card", its logical shape[, order])
             lshape = source[1]
             vals = src[..., : lshape[-1]] if lshape else src[:1]
+            if len(source) > 2:  # laid out by strides: its dims in the storage's order
+                vals = jnp.transpose(vals, source[2])
             flat = vals.reshape(-1)
         if shape:
             idx = jnp.full(shape, offset, jnp.int32)
@@ -115,6 +118,8 @@ def gather(src: jax.Array, geometry: tuple[Any, ...]) -> jax.Array:
     is ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card", shape)``
     when it is a pending result of that logical shape in its card layout (contiguous).
     ``layout`` may be larger than the view (a size bucket): the positions past it hold ``fill``.
+    A pending result laid out by strides (a dense permutation) is ``("card", shape, order)``,
+    ``order`` its dimensions from the outermost in the storage.
     """
     source, shape, stride, offset, layout, fill = geometry
     if math.prod(shape) == 0:
@@ -136,3 +141,22 @@ def _crop_program(src: TensorLayout, dst: TensorLayout) -> Callable[[jax.Array],
 def crop(a: jax.Array, src: TensorLayout, dst: TensorLayout) -> jax.Array:
     """A result computed at a bucket's size (``src``) cropped to its own (``dst``)."""
     return _crop_program(src, dst)(a)
+
+
+def fused(
+    runner: Callable[..., list[jax.Array]],
+    geometries: tuple[tuple[Any, ...] | None, ...],
+) -> Callable[..., list[jax.Array]]:
+    """``runner`` (a kernel's jitted card program) with its operands' gathers folded in: one
+    program, one dispatch. ``geometries`` has one entry per leading argument: None (taken as
+    it is) or the :func:`gather` key of the view that argument is the source of; the
+    arguments past them (the kernel's constants) are taken as they are."""
+    progs = [None if g is None else _program(*g) for g in geometries]
+    n = len(progs)
+    kernel = runner.__wrapped__  # the program itself: options go on the outer jit only
+
+    def run(*args: jax.Array) -> list[jax.Array]:
+        ins = [a if p is None else p(a) for p, a in zip(progs, args[:n], strict=True)]
+        return kernel(*ins, *args[n:])
+
+    return jax.jit(run, compiler_options=COMPILER_OPTIONS)

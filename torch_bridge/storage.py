@@ -321,6 +321,37 @@ def device_step(what: str, dst: torch.Tensor, srcs: Sequence[torch.Tensor] = ())
     )
 
 
+def copy_on_card(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """``dst.copy_(src)`` without the host, when it is a whole result moving: ``src`` all of a
+    pending launch result (contiguous), ``dst`` all of its storage, same dtype and number of
+    elements. ``dst``'s storage then holds that result, pending, as if the launch had made it
+    (the host neither waits for it nor touches the bytes); a device-side copy on the stream.
+    False (nothing done) for every other copy."""
+    if dst.dtype != src.dtype or dst.numel() != src.numel() or dst.numel() == 0:
+        return False
+    rs, rd = region(src), region(dst)
+    pend = rs.pending
+    if (
+        pend is None
+        or pend[3] is not None
+        or pend[2] != src.dtype
+        or rs is rd
+        or src.storage_offset() != 0
+        or dst.storage_offset() != 0
+        or not src.is_contiguous()
+        or not dst.is_contiguous()
+        or math.prod(pend[1].shape) != src.numel()
+        or rd.nbytes != pend[4]
+    ):
+        return False
+    with _lock:
+        # the old bytes stay as they are for kernels in flight that read them
+        rd.pending, rd._payload, rd._host = pend, None, None
+        rd.views.clear()
+    device_step("copy", dst, [src])
+    return True
+
+
 def new_from_cpu(c: torch.Tensor) -> torch.Tensor:
     """A CPU tensor's values as a new (contiguous) spyre tensor; a copy-in step."""
     out = new_tensor(c.shape, c.dtype)
@@ -398,18 +429,51 @@ def as_card_buffer(
     ``t`` (a size bucket, :mod:`torch_bridge.buckets`) pads it with ``fill``.
     """
     r = region(t)
-    rt = r.rt
     if layout is None:
         dt = card_dtype(t.dtype, "a spyre tensor")
-        layout = layout_for(tuple(t.shape), dt, rt.card.stick_bytes)
-    padded = layout.shape != tuple(t.shape)
-    view = None if padded else _card_view(r, t, layout)
+        layout = layout_for(tuple(t.shape), dt, r.rt.card.stick_bytes)
+    view = None if layout.shape != tuple(t.shape) else _card_view(r, t, layout)
     if view is not None:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
         return view
-    data = _gathered(r, t, layout, fill)
-    buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-operand", payload=data)
-    if padded:
+    return _operand(r, t, layout, _gathered(r, t, layout, fill))
+
+
+def card_operand(
+    t: torch.Tensor, layout: TensorLayout, fill: Any = 0
+) -> tuple[DeviceBuffer, tuple[Any, ...] | None]:
+    """``t`` as a launch argument in ``layout``, its re-layout left to the kernel.
+
+    ``(buffer, None)``: the buffer is ``t`` in ``layout`` (:func:`as_card_buffer`'s view, or
+    on a geometry's first use a copy gathered on the host). ``(buffer, geometry)``: the buffer
+    holds the *source* of the view (the pending result, or the storage's bytes as a card array)
+    and the kernel that reads it gathers ``geometry`` first
+    (:func:`torch_bridge.relayout.gather`'s key), in the same program: one dispatch for the
+    re-layout and the kernel. Either way the re-layout is a step on the current stream, and
+    the caller deletes the buffer when done.
+    """
+    r = region(t)
+    padded = layout.shape != tuple(t.shape)
+    if not padded:
+        view = _card_view(r, t, layout)
+        if view is not None:
+            card_runtime.check_reads("read operand", [r.buf])
+            return view, None
+    source = _source_key(r, t)
+    geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
+    if t.numel() == 0 or not _relayout().worth_compiling(geometry):
+        return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
+    src, shares = _source(r, source)
+    buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
+    if shares:  # the kernel reads the storage's host bytes: their writer waits for it
+        buf.readers = r.readers
+    return DeviceBuffer.view(buf, layout, src, shares_host=shares, owns=True), geometry
+
+
+def _operand(r: _Region, t: torch.Tensor, layout: TensorLayout, data: Any) -> DeviceBuffer:
+    """A new buffer for ``t`` in ``layout`` holding ``data``, its re-layout a step."""
+    buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=r.rt, tag="torch-operand", payload=data)
+    if layout.shape != tuple(t.shape):
         card_runtime.device_copy(
             f"pad {describe(t)} to {list(layout.shape)}", [r.buf], [buf], layout.nbytes
         )
@@ -426,29 +490,48 @@ def key_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True))
 
 
+def _source_key(r: _Region, t: torch.Tensor) -> tuple[Any, ...]:
+    """What a view of ``r`` is gathered from on the card without the host waiting: the pending
+    result when it holds ``t``'s dtype, ``("card", its shape)`` (in its card layout; a result
+    laid out by strides, a dense permutation, adds the order of its dimensions in the storage),
+    else the storage's bytes, ``("bytes", dtype)``."""
+    pend = r.pending
+    if pend is not None and pend[2] == t.dtype:
+        lay, stride = pend[1], pend[3]
+        if stride is None:
+            return ("card", lay.shape)
+        return ("card", lay.shape, tuple(sorted(range(len(stride)), key=lambda k: -stride[k])))
+    return ("bytes", t.dtype)
+
+
+def _source(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
+    """The card array :func:`_source_key` names, and whether it is host memory (the storage's
+    bytes, cached until they are written)."""
+    if source[0] == "card":
+        return r.pending[0], False
+    payload = r.device_bytes()
+    key = ("bytes",)
+    hit = r.views.get(key)
+    if hit is not None and hit[0] == r.buf.version:
+        return hit[1], True
+    raw = _relayout().host_bytes(payload)
+    r.views[key] = (r.buf.version, raw)
+    return raw, True
+
+
 def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:
     """``t`` in ``layout`` as a card array gathered on the card (:mod:`torch_bridge.relayout`)
     from its pending result or its storage's bytes, so the host does not wait; a read of host
     bytes is recorded in the region's ``readers``."""
     relayout = _relayout()
-    pend = r.pending
-    card = pend is not None and pend[2] == t.dtype and pend[3] is None
-    source = ("card", pend[1].shape) if card else ("bytes", t.dtype)
+    source = _source_key(r, t)
     geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
     if not relayout.worth_compiling(geometry):
         return _host_gathered(t, layout, fill)
-    if card:
-        return relayout.gather(pend[0], geometry)
-    payload = r.device_bytes()
-    key = ("bytes",)
-    hit = r.views.get(key)
-    if hit is not None and hit[0] == r.buf.version:
-        raw = hit[1]
-    else:
-        raw = relayout.host_bytes(payload)
-        r.views[key] = (r.buf.version, raw)
-    out = relayout.gather(raw, geometry)
-    r.readers.append(out)
+    src, shares = _source(r, source)
+    out = relayout.gather(src, geometry)
+    if shares:
+        r.readers.append(out)
     return out
 
 
