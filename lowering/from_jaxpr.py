@@ -229,8 +229,9 @@ def _custom_vjp(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     return _inline(b, closed, args[-n:] if len(args) > n else args)
 
 
-@rule("stop_gradient", "copy", "copy_p", "optimization_barrier")
+@rule("stop_gradient", "copy", "copy_p", "optimization_barrier", "pvary", "pbroadcast")
 def _identity(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    # pvary/pbroadcast: a shard_map body's varying-axes types (spyre_jax.multicard), no data
     outs = []
     for a, v in zip(args, eqn.outvars, strict=True):
         outs.append(b.as_var(a, _aval(v)[0]) if isinstance(a, Lit) else a)

@@ -19,6 +19,7 @@ from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
 from lowering.pipeline import compile_graph
 
+from .multicard import MultiLowered, shard_map_eqn
 from .runtime import Array, host_dtype
 
 __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
@@ -201,7 +202,11 @@ class Jitted:
         self.trace_count += 1
         closed = jax.make_jaxpr(flat_fun)(*specs)
         name = getattr(self.fun, "__name__", "fn")
-        graph = from_jaxpr(closed, name=name if name.isidentifier() else "fn")
+        name = name if name.isidentifier() else "fn"
+        sm = shard_map_eqn(closed)
+        if sm is not None:  # a multi-card function: one program per card, and collectives
+            return MultiLowered(self, key, closed, sm, out_store["tree"], t0, name)  # type: ignore[return-value]
+        graph = from_jaxpr(closed, name=name)
         _check_fits(graph)
         kernel = compile_graph(graph, runtime().card)
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)

@@ -6,6 +6,7 @@ an :class:`Array` wraps one :class:`~device_model.runtime.DeviceBuffer`.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -40,25 +41,50 @@ def set_card(card: CardSpec) -> None:
 
 
 class Device:
-    """The card as a JAX-style device."""
+    """A simulated card as a JAX-style device: the devices of a ``jax.sharding.Mesh`` that a
+    multi-card function (``jax.shard_map``) runs over."""
 
     platform = "spyre"
     device_kind = "IBM Spyre (simulated)"
-    id = 0
+    process_index = 0
+    num_cores = None  # a JAX device attribute; the card's cores are ``CardSpec.num_cores``
+
+    def __init__(self, id: int = 0):
+        self.id = id
 
     def memory_stats(self) -> dict[str, int]:
         return memory_stats()
 
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Device and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(("spyre", self.id))
+
     def __repr__(self) -> str:
-        return "SpyreDevice(id=0)"
+        return f"SpyreDevice(id={self.id})"
 
 
 _DEVICE = Device()
 
 
 def devices() -> list[Device]:
-    """The simulated cards (one)."""
-    return [_DEVICE]
+    """The simulated cards: ``SPYRE_NUM_CARDS`` of them (one when unset). Build a
+    ``jax.sharding.Mesh`` of them for a ``jax.shard_map`` function (tensor parallelism); a
+    single-card function runs on the first."""
+    n = _num_cards()
+    return [_DEVICE] + [Device(i) for i in range(1, n)]
+
+
+def _num_cards() -> int:
+    raw = os.environ.get("SPYRE_NUM_CARDS", "1").strip() or "1"
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"spyre: SPYRE_NUM_CARDS must be a positive integer, got {raw!r}")
+    return n
 
 
 def memory_stats() -> dict[str, int]:

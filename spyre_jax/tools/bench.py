@@ -18,7 +18,7 @@ import torch
 import spyre_jax
 from torch_bridge import backend as tb
 
-from . import bench_calibrate, bench_eager, bench_models, bench_schedules, bench_serve
+from . import bench_calibrate, bench_eager, bench_models, bench_schedules, bench_serve, bench_tp
 from .demo import demo_block, gpt2_small
 
 __all__ = [
@@ -247,6 +247,10 @@ def main(args: Any) -> int:
         names = args.models.split(",") if args.models else None
         res = bench_schedules.bench_schedules(names)
         print(json.dumps(res) if args.json else bench_schedules.format_schedules(res))
+        return 0
+    if args.which == "tp":
+        res = bench_tp.bench_tp()
+        print(json.dumps(res) if args.json else bench_tp.format_tp(res))
         return 0
     if args.which == "eager":
         res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             "eager",
             "calibrate",
             "schedules",
+            "tp",
         ],
     )
     pb.add_argument("--json", action="store_true", help="print one JSON object")

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import spyre_jax
 from device_model.card import DEFAULT_CARD, CardSpec
 from device_model.memory import DeviceOOMError
+from spyre_jax.multicard import collective_seconds
 
 __all__ = [
     "ConfigError",
@@ -338,16 +339,6 @@ def _head(m: ModelShape) -> Callable[..., Any]:
 # the estimate
 
 
-def _collective_s(kind: str, nbytes: float, tp: int, card: CardSpec) -> float:
-    """A ring collective over ``tp`` cards of ``nbytes`` (each card's full buffer): an all-reduce
-    moves ``2 (tp-1)/tp`` of it over each link in ``2 (tp-1)`` latency-bound hops, an
-    all-gather ``(tp-1)/tp`` in ``tp-1``."""
-    if tp == 1:
-        return 0.0
-    steps = 2 * (tp - 1) if kind == "all_reduce" else tp - 1
-    return steps / tp * nbytes / card.link_bw + steps * card.link_latency_s
-
-
 def _cost(f: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, Any]:
     c = spyre_jax.jit(f).lower(*args).compile().cost_analysis()
     return {"us": float(c["sim_time_us"]), "unit": c.get("bound", "-"), "stages": len(c["stages"])}
@@ -429,9 +420,9 @@ def estimate(
         embed = _cost(_embed(m), (table, ids[s], *pos))
         head = _cost(_head(m), (head_p, x))
         act = batch * s * w * isz
-        layer_coll = 1e6 * 2 * _collective_s("all_reduce", act, tp, card)
-        embed_coll = 1e6 * _collective_s("all_reduce", act, tp, card)
-        gather = 1e6 * _collective_s("all_gather", batch * vshard * tp * isz, tp, card)
+        layer_coll = 1e6 * 2 * collective_seconds("all_reduce", act, tp, card)
+        embed_coll = 1e6 * collective_seconds("all_reduce", act, tp, card)
+        gather = 1e6 * collective_seconds("all_gather", batch * vshard * tp * isz, tp, card)
         coll_us = m.layers * layer_coll + embed_coll + gather
         parts[phase] = {
             "embed": embed,
