@@ -307,7 +307,7 @@ def _pick_matmul(
     ctx: _Ctx,
     cands: list[tuple[float, int, int, tuple[int, int], int, bool]],
     build: Any,
-) -> Stage:
+) -> tuple[Stage, tuple[int, int, int, int, bool]]:
     """The matmul tiling to use. The estimator's best few (``MATMUL_RANKED``), and the two of
     fewest steps among those it puts near the best, are built and timed by the timing model
     itself, which sees what the estimate does not (blocks shared by the cores of a step and
@@ -315,7 +315,7 @@ def _pick_matmul(
     fastest wins; near ties (``MATMUL_TIE``, ``MATMUL_TIE_S``) go to the fewer steps.
 
     ``cands``: ``(estimate s, steps, tm, (tn, output tn), tk, m_inner)`` per tiling that fits;
-    ``build(tm, tn, tno, tk, m_inner)`` makes its stage."""
+    ``build(tm, tn, tno, tk, m_inner)`` makes its stage. Returns the stage and its tiling."""
     ranked = sorted(cands, key=lambda c: (c[0], c[1]))
     # the estimator's best, and the fewest-step tilings it puts near them
     near = [c for c in ranked if c[0] <= ranked[0][0] * (1 + 3 * MATMUL_TIE) + 3 * MATMUL_TIE_S]
@@ -324,14 +324,42 @@ def _pick_matmul(
     timed = []
     for _, steps, tm, (tn, tno), tk, m_inner in shortlist:
         st = build(tm, tn, tno, tk, m_inner)
-        timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st))
-    fastest = min(t for t, _, _ in timed)
+        tiling = (tm, tn, tno, tk, m_inner)
+        timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st, tiling))
+    fastest = min(c[0] for c in timed)
     # within a tie of the fastest, the fewest steps (a shorter simulation, about the same time)
     tie = max(fastest * MATMUL_TIE, MATMUL_TIE_S)
-    return min((c for c in timed if c[0] <= fastest + tie), key=lambda c: c[1])[2]
+    best = min((c for c in timed if c[0] <= fastest + tie), key=lambda c: c[1])
+    return best[2], best[3]
+
+
+#: the tiling picked for a matmul signature (its layouts, parameters, epilogue operands' layouts
+#: and the card): the identical layers of a model are searched once. At most this many, then
+#: the cache starts over
+MATMUL_CHOICES = 4096
+_matmul_choices: dict[Any, tuple[int, int, int, int, bool]] = {}
+
+
+def _matmul_key(ctx: _Ctx, n: Node) -> Any:
+    """What a matmul's tiling depends on, hashable; None when a parameter is not."""
+    key = (
+        tuple(ctx.layout(v) for v in n.inputs),
+        ctx.layout(n.out),
+        n.params,
+        ctx.card,
+        ctx.cap,
+        ctx.ncores,
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
+    key = _matmul_key(ctx, n)
+    known = _matmul_choices.get(key) if key is not None else None
     a, b = n.inputs[:2]
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
@@ -359,6 +387,8 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         tk_c = _cands(K, la.elems_per_stick) if Kp == K else [K]
     tm_c = _divisors(M)
     card = ctx.card
+    if known is not None:  # an identical matmul was tiled before: build its tiling
+        tm_c, tn_c, tk_c = [known[0]], [(known[1], known[2])], [known[3]]
     cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
     ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
     for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
@@ -428,7 +458,14 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
             ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn), tile_order=order
         )
 
-    return _pick_matmul(ctx, cands_all, build)
+    if known is not None:
+        return build(*known)
+    stage, tiling = _pick_matmul(ctx, cands_all, build)
+    if key is not None:
+        if len(_matmul_choices) >= MATMUL_CHOICES:
+            _matmul_choices.clear()
+        _matmul_choices[key] = tiling
+    return stage
 
 
 def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:

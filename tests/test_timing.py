@@ -238,15 +238,16 @@ def test_m_fastest_tiles_compute_the_product():
     orig = sch._pick_matmul
 
     def spy(ctx, cands, build):
-        st = orig(ctx, cands, build)
+        st, tiling = orig(ctx, cands, build)
         picked.append(st)
-        return st
+        return st, tiling
 
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.standard_normal((128, 256)), jnp.float16)
     b = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float16)
     mp = pytest.MonkeyPatch()
     mp.setattr(sch, "_pick_matmul", spy)
+    mp.setattr(sch, "_matmul_choices", {})  # searched, not taken from an earlier identical one
     try:
         got = np.asarray(spyre_jax.jit(_mm16)(a, b)).astype(np.float32)
     finally:
@@ -261,3 +262,35 @@ def test_m_fastest_tiles_compute_the_product():
     ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float64)
     assert (np.abs(got - ref) <= 0.5 * ulp + 1e-4).all()
     np.testing.assert_allclose(got, np.asarray(jax.jit(_mm16)(a, b)), rtol=2e-3, atol=2e-3)
+
+
+def test_identical_matmuls_are_tiled_once(monkeypatch):
+    # the tiling search of a matmul is done once per signature: a model's identical layers
+    # reuse it, and get the same tiling (the same simulated time per layer)
+    import lowering.schedule as sch
+
+    calls = []
+    orig = sch._pick_matmul
+
+    def spy(ctx, cands, build):
+        calls.append(1)
+        return orig(ctx, cands, build)
+
+    monkeypatch.setattr(sch, "_pick_matmul", spy)
+    monkeypatch.setattr(sch, "_matmul_choices", {})
+
+    def layers(x, w1, w2, w3, w4):
+        for w in (w1, w2, w3, w4):
+            x = jnp.tanh(_mm16(x, w))
+        return x
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float16)
+    ws = [jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.float16) for _ in range(4)]
+    c = spyre_jax.jit(layers).lower(x, *ws).compile()
+    assert len(calls) == 1
+    mm = [s for s in c.cost_analysis()["stages"] if "matmul" in str(s.get("kind", s))]
+    assert len(mm) == 4 and len({round(s["time_s"], 12) for s in mm}) == 1
+    want = np.asarray(jax.jit(layers)(x, *ws)).astype(np.float32)
+    got = np.asarray(spyre_jax.jit(layers)(x, *ws)).astype(np.float32)
+    np.testing.assert_allclose(got, want, atol=4e-3)  # a few fp16 ulps of values below 1
