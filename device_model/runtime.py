@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -170,7 +169,7 @@ class DeviceBuffer:
         "version",
         "shares_host",
         "readers",
-        "_fin",
+        "_freed",
         "_base",
         "_view",
         "_owns",
@@ -192,7 +191,7 @@ class DeviceBuffer:
         self._base: DeviceBuffer | None = None
         self._view: Any = None
         self._owns = False
-        self._fin = weakref.finalize(self, _free_quiet, rt, addr)
+        self._freed = False
 
     @classmethod
     def allocate(
@@ -231,7 +230,7 @@ class DeviceBuffer:
         v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
         v._base, v._view, v.shares_host, v._owns = base, payload, shares_host, owns
         v.readers = None
-        v._fin = weakref.finalize(v, _no_op)
+        v._freed = False
         return v
 
     @property
@@ -240,7 +239,7 @@ class DeviceBuffer:
 
     @property
     def alive(self) -> bool:
-        return self._base.alive if self._base is not None else self._fin.alive
+        return self._base.alive if self._base is not None else not self._freed
 
     def payload(self) -> Any:
         """The region's contents; RuntimeError once the buffer has been freed."""
@@ -259,19 +258,25 @@ class DeviceBuffer:
     def delete(self) -> None:
         """Free the region now (idempotent; a view frees nothing, unless it owns its base)."""
         if self._base is None:
-            self._fin()
+            if not self._freed:
+                self._freed = True
+                _free_quiet(self.rt, self.addr)
         elif self._owns:
             self._base.delete()
+
+    def __del__(self) -> None:  # the last reference went: the region goes with it
+        try:
+            if self._base is None and not self._freed:
+                self._freed = True
+                _free_quiet(self.rt, self.addr)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free into
+            pass
 
     def __repr__(self) -> str:
         what = self.layout if self.layout is not None else f"{self.nbytes} bytes"
         state = "" if self.alive else ", freed"
         kind = "DeviceBuffer view" if self._base is not None else "DeviceBuffer"
         return f"<{kind} {self.addr:#x} {what}{state}>"
-
-
-def _no_op() -> None:
-    pass
 
 
 def to_device_layout(host: Any, layout: TensorLayout) -> np.ndarray:

@@ -22,6 +22,7 @@ launch results back into spyre tensors, without a host round trip.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -67,7 +68,7 @@ class _Region:
     ``readers`` are results of launches still in flight that read the host bytes: host access
     waits for them first (a CPU write never races a kernel's read)."""
 
-    __slots__ = ("buf", "_payload", "_host", "views", "pending", "readers")
+    __slots__ = ("buf", "_payload", "_host", "views", "pending", "readers", "ref")
 
     def __init__(self, buf: DeviceBuffer, payload: np.ndarray | None, pending: Any = None):
         self.buf = buf
@@ -78,6 +79,8 @@ class _Region:
         #: (card array, its layout, torch dtype, strides or None) of a result not yet on the host
         self.pending = pending
         self.readers: list[Any] = []
+        #: the weak reference to its torch storage whose callback frees it (_storage_at)
+        self.ref: Any = None
 
     @property
     def rt(self) -> Runtime:
@@ -167,11 +170,12 @@ def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
         # a tensor of a previous card lives at this address: keep the block, take another
 
 
-def _release(ptr: int, region: _Region) -> None:
-    """The storage at ``ptr`` died: free its buffer."""
+def _release(ptr: int, region: _Region, _ref: Any = None) -> None:
+    """The storage at ``ptr`` died (the callback of its weak reference): free its buffer."""
     with _lock:
         if _regions.get(ptr) is region:
             del _regions[ptr]
+    region.ref = None  # the reference and its callback held the region: they go now
     region.buf.delete()
 
 
@@ -185,8 +189,9 @@ def _storage_at(
     with _lock:
         _regions[ptr] = region
     st = torch._C._construct_storage_from_data_pointer(ptr, device(), region.nbytes)
-    fin = weakref.finalize(st, _release, ptr, region)
-    fin.atexit = False
+    # a weak reference with a callback, kept by the region (cheaper than weakref.finalize:
+    # one per result of every eager op)
+    region.ref = weakref.ref(st, functools.partial(_release, ptr, region))
     return st
 
 
@@ -450,14 +455,14 @@ def card_operand(
     and the kernel that reads it gathers ``geometry`` first
     (:func:`torch_bridge.relayout.gather`'s key), in the same program: one dispatch for the
     re-layout and the kernel. Either way the re-layout is a step on the current stream, and
-    the caller deletes the buffer when done.
+    the caller deletes the buffer when done. A direct view is not race-checked here: the
+    launch that takes it (``device_model.runtime.launch``) checks every buffer it reads.
     """
     r = region(t)
     padded = layout.shape != tuple(t.shape)
     if not padded:
         view = _card_view(r, t, layout)
-        if view is not None:
-            card_runtime.check_reads("read operand", [r.buf])
+        if view is not None:  # the launch that takes it checks its read of the storage
             return view, None
     source = _source_key(r, t)
     geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
