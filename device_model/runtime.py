@@ -517,6 +517,9 @@ class Executable:
         self._runner: Any = None
         self._device_array: Any = None
         self._block: Any = None
+        #: its variants with other card programs (:meth:`with_runner`), kept by their user
+        #: (``torch_bridge.eager``: one per combination of operand gathers folded in)
+        self.variants: dict[Any, Executable] = {}
 
     @property
     def num_inputs(self) -> int:

@@ -94,8 +94,60 @@ def test_attention_over_a_growing_kv_cache_matches_the_cpu():
 def test_an_op_whose_result_padding_would_change_runs_exact():
     for n in (9, 11, 13):
         x = torch.randn(3, n)
-        got = torch.cumsum(x.to("spyre"), -1).cpu()
-        torch.testing.assert_close(got, torch.cumsum(x, -1), rtol=1e-5, atol=1e-5)
+        got = torch.cat([x.to("spyre"), x.to("spyre")], -1).cpu()  # padding would come between
+        torch.testing.assert_close(got, torch.cat([x, x], -1))
+        got = x.to("spyre").mean(-1).cpu()  # padding would count
+        torch.testing.assert_close(got, x.mean(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["mean", "cumsum", "tril", "embedding"])
+def test_positional_ops_run_on_a_bucket(which):
+    """Ops whose results at the tensor's own positions ignore the positions past them (a mean
+    over an unpadded dim, a running sum, a triangle, a row gather) pad like pointwise ops."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 16, generator=g)
+    before = _compiles()
+    for n in range(9, 40, 4):
+        x = torch.randn(n, 24, generator=g)
+        if which == "mean":
+            got, want = x.to("spyre").mean(-1).cpu(), x.mean(-1)
+        elif which == "cumsum":
+            got, want = torch.cumsum(x.t().contiguous().to("spyre"), -1).cpu(), x.t().cumsum(-1)
+        elif which == "tril":
+            y = torch.randn(n, n, generator=g)
+            got, want = torch.tril(y.to("spyre"), -1).cpu(), torch.tril(y, -1)
+        else:
+            idx = torch.randint(0, 50, (n,), generator=g)
+            got = torch.nn.functional.embedding(idx.to("spyre"), table.to("spyre")).cpu()
+            want = table[idx]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert _compiles() - before <= 2  # the first size exactly, then bucket 64
+
+
+def test_a_padded_result_feeds_the_next_kernels_without_a_compile_per_size():
+    """A result computed at a bucket keeps the bucket's size; its views (transposed, offset)
+    are gathered inside the next kernels by programs that hold no size: after the first sizes
+    nothing compiles, however many lengths follow."""
+    from torch_bridge import relayout
+
+    g = torch.Generator().manual_seed(4)
+
+    def variants() -> int:  # the kernels' fused programs (one kernel serves many plans)
+        exes = {id(p.compiled): p.compiled for p in eager._plans.values() if p.compiled}
+        return sum(len(e.variants) for e in exes.values())
+
+    seen = []
+    for n in range(20, 62, 3):
+        x = torch.randn(4, n, generator=g)
+        y = torch.randn(4, n, generator=g)
+        s = x.to("spyre") + y.to("spyre")
+        t = s.t() * 2  # a transposed view of a padded pending result
+        u = s[:, 1:] - 1  # an offset view of it
+        r = torch.softmax(t, 0)
+        torch.testing.assert_close(r.cpu(), torch.softmax((x + y).t() * 2, 0))
+        torch.testing.assert_close(u.cpu(), (x + y)[:, 1:] - 1)
+        seen.append((_compiles(), relayout.view_program.cache_info().misses, variants()))
+    assert seen[-1] == seen[5]  # sizes 35..59: nothing new compiled (kernels, gathers, fusions)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

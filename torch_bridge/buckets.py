@@ -16,8 +16,11 @@ tensor's own size are neutral for the op, and the results are cropped back to th
 * ``mm``/``bmm``: padded rows and columns are cropped; padded positions of the contracted
   dimension are zero in both operands, so they add nothing;
 * reductions and softmax over a padded dimension: filled with the reduction's identity (0 for a
-  sum, -inf for a max and a softmax, True for ``all``, ...). A reduction that counts its
-  elements (``mean``, ``var``) or any other op runs at its exact sizes.
+  sum, -inf for a max and a softmax, True for ``all``, ...);
+* ``mean`` over dimensions that are not padded, ``cumsum`` (a running sum: the padding comes
+  after), ``tril``/``triu``, ``embedding`` (padded indices are 0: a row of the table, cropped).
+  A ``mean`` over a padded dimension (it counts its elements), ``cat`` and every other op run at
+  their exact sizes.
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ _IDENTITY: dict[str, str] = {
 }
 
 _MATMUL = frozenset({"aten::mm", "aten::bmm"})
+
+#: ops whose results at the tensor's own positions do not depend on the positions past them,
+#: padded at the end of any dimension: a mean over dims that are not padded, a running sum,
+#: a triangle, a row gather (padded indices are 0, a row of the table)
+_POSITIONAL = frozenset(
+    {"aten::mean", "aten::cumsum", "aten::tril", "aten::triu", "aten::embedding"}
+)
 
 _lock = threading.Lock()
 #: family -> per tensor leaf, per dim: the size first seen, or -1 once it has varied
@@ -162,11 +172,15 @@ def plan_padding(
     name = op._schema.name
     pointwise = torch.Tag.pointwise in op.tags
     identity = _IDENTITY.get(name)
-    if not (pointwise or identity or name in _MATMUL):
+    if not (pointwise or identity or name in _MATMUL or name in _POSITIONAL):
         return None
     dyn = _dynamic_dims(op, spec, leaves)
     if dyn is None:
         return None
+    if name == "aten::mean":  # it counts its elements: none of them may be padding
+        t = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        if len(t) != 1 or _reduced_dims(op, args, kwargs, leaves[t[0]].dim()) & dyn[t[0]]:
+            return None
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     shapes: list[tuple[int, ...] | None] = [None] * len(leaves)
     fills: list[Any] = [None] * len(leaves)

@@ -265,12 +265,20 @@ def _write_back(op: Any, written: list, results: list) -> Any:
 
 
 class _Lift:
-    """A Python number in a tensor position (a wrapped number): a rank-0 graph input."""
+    """A Python number in a tensor position (a wrapped number): a rank-0 graph input. Equal to
+    any other of its type: its value is an argument of the kernel, not part of its signature
+    (nor of an op's family in :mod:`torch_bridge.buckets`)."""
 
     __slots__ = ("v",)
 
     def __init__(self, v: Any):
         self.v = v
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Lift and type(other.v) is type(self.v)
+
+    def __hash__(self) -> int:
+        return hash((_Lift, type(self.v)))
 
 
 _LIFT_DTYPE = {bool: torch.bool, int: torch.int64, float: torch.float32}
@@ -281,7 +289,7 @@ class _Plan:
     """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
     inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
 
-    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad", "fused")
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad")
 
     def __init__(self) -> None:
         self.compiled: Any = None
@@ -294,8 +302,6 @@ class _Plan:
         self.host = False  # runs on the host silently (no elements to compute)
         #: on a size bucket's kernel: (the padding, each result's own layout), else None
         self.pad: tuple[buckets.Padding, list[Any]] | None = None
-        #: operand geometries -> the executable that gathers them in its program (_fused)
-        self.fused: dict[tuple, Any] = {}
 
 
 _plans: dict[Any, _Plan] = {}
@@ -637,8 +643,8 @@ def _launch(plan: _Plan, leaves: list) -> Any:
             x = leaves[i]
             g = None
             if kind == "T":
-                if pad:
-                    b = st.as_card_buffer(x, lay, pad[0].fills[i])
+                if pad:  # gathered into the bucket's size, the rest filled (in the kernel)
+                    b, g = st.card_operand(x, lay, pad[0].fills[i])
                     padding += (math.prod(lay.shape) - x.numel()) * np_dtype(lay.dtype).itemsize
                 else:
                     b, g = st.card_operand(x, lay)
@@ -662,21 +668,23 @@ def _launch(plan: _Plan, leaves: list) -> Any:
         if pad is not None:
             _counts["padded_launches"] += 1
             _counts["padding_bytes"] += padding
-    if pad is not None:  # computed at the bucket's sizes: each result cropped to its own
-        bufs = [
-            b if b.layout == lay else st.cropped(b, lay)
-            for b, lay in zip(bufs, pad[1], strict=True)
-        ]
-    res = [st.from_card(b, dt, sd) for b, (dt, sd) in zip(bufs, plan.outs, strict=True)]
+    # computed at the bucket's sizes: each result keeps them, its own size the tensor's (the
+    # host crops it when it reads it, the next kernel masks the rest)
+    shapes = [lay.shape for lay in pad[1]] if pad is not None else [None] * len(bufs)
+    res = [
+        st.from_card(b, dt, sd, shape)
+        for b, (dt, sd), shape in zip(bufs, plan.outs, shapes, strict=True)
+    ]
     return res[0] if plan.single else tuple(res)
 
 
 def _fused(plan: _Plan, geometries: tuple) -> Any:
-    """The plan's executable with the gathers of its strided, offset or re-typed operands
-    folded into its program (:func:`torch_bridge.relayout.fused`): one dispatch per launch,
-    cached by the operands' geometries. A kernel run stage by stage takes its operands
-    gathered one by one."""
-    fused = plan.fused
+    """The plan's executable with the gathers of its strided, offset, re-typed or padded
+    operands folded into its program (:func:`torch_bridge.relayout.fused`): one dispatch per
+    launch, cached on the executable by the operands' geometries, which hold no sizes (every
+    call of a size bucket's kernel shares them). A kernel run stage by stage takes its
+    operands gathered one by one."""
+    fused = plan.compiled.variants
     exe = fused.get(geometries)
     if exe is None:
         runner = plan.compiled.runner()
@@ -696,10 +704,10 @@ FUSED_PER_PLAN = 64
 
 
 def _gathering(runner: Any, geometries: tuple) -> Any:
-    gather = st._relayout().gather
+    gather = st._relayout().gather_view
 
     def run(*args: Any) -> Any:
-        ins = [a if g is None else gather(a, g) for g, a in zip(geometries, args, strict=False)]
+        ins = [a if g is None else gather(*a, g) for g, a in zip(geometries, args, strict=False)]
         return runner(*ins, *args[len(geometries) :])
 
     return run

@@ -65,9 +65,11 @@ _resident_lock = threading.Lock()
 
 
 def resident_stats() -> dict[str, int]:
-    """How many CPU parameters are resident on the card and their bytes there."""
+    """How many CPU parameters are resident on the current card and their bytes there
+    (copies on an earlier card, before ``set_card``, are not counted)."""
+    rt = runtime()
     with _resident_lock:
-        live = [e.buf for e in _resident.values() if e.buf.alive]
+        live = [e.buf for e in _resident.values() if e.buf.alive and e.buf.rt is rt]
     return {"parameters": len(live), "bytes": sum(b.nbytes for b in live)}
 
 

@@ -23,7 +23,7 @@ from jax import lax
 from device_model.layout import TensorLayout, np_dtype
 from device_model.program import COMPILER_OPTIONS
 
-__all__ = ["gather", "host_bytes", "crop", "worth_compiling", "fused"]
+__all__ = ["gather", "host_bytes", "worth_compiling", "fused", "view_program", "gather_view"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -128,19 +128,65 @@ def gather(src: jax.Array, geometry: tuple[Any, ...]) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=4096)
-def _crop_program(src: TensorLayout, dst: TensorLayout) -> Callable[[jax.Array], jax.Array]:
-    def run(a: jax.Array) -> jax.Array:
-        vals = a[..., : src.shape[-1]] if src.shape else a
-        vals = vals[tuple(slice(0, n) for n in dst.shape)]
-        out = jnp.zeros(dst.device_shape, vals.dtype)
-        return lax.dynamic_update_slice(out, vals, (0,) * len(dst.shape))
+def view_program(
+    source: tuple[Any, ...], layout: TensorLayout, fill: Any
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gather of any view of one kind of source into ``layout``, its sizes given when it
+    runs: ``run(src, dyn)``, ``dyn`` int32 ``[source dims..., view shape..., view strides...,
+    offset]``. One program serves every size that fits ``layout`` (a size bucket: the
+    positions past the view's own sizes hold ``fill``), so a decode step whose lengths grow by
+    one each time compiles nothing new.
 
-    return jax.jit(run)
+    ``source``: ``("bytes", torch dtype, length)`` for a storage's flat bytes (padded to
+    ``length``), or ``("card", device shape, rank, order)`` for a pending result in its card
+    layout, whose logical dims (the first ``rank`` entries of ``dyn``) may be smaller than the
+    device shape (a result computed at a size bucket and not cropped); ``order``: its dims from
+    the outermost in the storage (None: contiguous). Not jitted: it runs inside the kernel's
+    program (:func:`fused`)."""
+    kind = source[0]
+    rank = len(layout.shape)
+    src_rank = source[2] if kind == "card" else 0
+    order = (source[3] or tuple(range(src_rank))) if kind == "card" else ()
+    out_dt = np_dtype(layout.dtype)
+    shape = layout.shape if rank else (1,)
+
+    def run(src: jax.Array, dyn: jax.Array) -> jax.Array:
+        vshape = dyn[src_rank : src_rank + rank]
+        vstride = dyn[src_rank + rank : src_rank + 2 * rank]
+        e = jnp.full(shape, dyn[-1], jnp.int32)
+        mask = jnp.ones(shape, bool)
+        for k in range(rank):
+            io = lax.broadcasted_iota(jnp.int32, shape, k)
+            mask = mask & (io < vshape[k])
+            e = e + io * vstride[k]
+        e = jnp.where(mask, e, 0)
+        if kind == "bytes":
+            vals = _decode(src, source[1])[e]
+        elif src_rank == 0:
+            vals = jnp.broadcast_to(src[0], shape)
+        else:
+            idx: list[Any] = [None] * src_rank
+            rem = e
+            for d in reversed(order):  # the storage index, unravelled by the result's own dims
+                n = jnp.maximum(dyn[d], 1)
+                idx[d] = rem % n
+                rem = rem // n
+            vals = src[tuple(idx)]
+        vals = jnp.where(mask, vals.astype(out_dt), jnp.asarray(fill, out_dt))
+        out = jnp.full(layout.device_shape, fill, out_dt)
+        return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
+
+    return run
 
 
-def crop(a: jax.Array, src: TensorLayout, dst: TensorLayout) -> jax.Array:
-    """A result computed at a bucket's size (``src``) cropped to its own (``dst``)."""
-    return _crop_program(src, dst)(a)
+def gather_view(src: jax.Array, dyn: np.ndarray, key: tuple[Any, ...]) -> jax.Array:
+    """:func:`view_program` run alone (jitted), for a kernel run stage by stage."""
+    return _jitted_view(key)(src, dyn)
+
+
+@functools.lru_cache(maxsize=1024)
+def _jitted_view(key: tuple[Any, ...]) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    return jax.jit(view_program(*key))
 
 
 def fused(
@@ -149,14 +195,15 @@ def fused(
 ) -> Callable[..., list[jax.Array]]:
     """``runner`` (a kernel's jitted card program) with its operands' gathers folded in: one
     program, one dispatch. ``geometries`` has one entry per leading argument: None (taken as
-    it is) or the :func:`gather` key of the view that argument is the source of; the
-    arguments past them (the kernel's constants) are taken as they are."""
-    progs = [None if g is None else _program(*g) for g in geometries]
+    it is) or the :func:`view_program` key (``(source, layout, fill)``) of the view that
+    argument is, given as ``(source array, sizes)``; the arguments past them (the kernel's
+    constants) are taken as they are."""
+    progs = [None if g is None else view_program(*g) for g in geometries]
     n = len(progs)
     kernel = runner.__wrapped__  # the program itself: options go on the outer jit only
 
-    def run(*args: jax.Array) -> list[jax.Array]:
-        ins = [a if p is None else p(a) for p, a in zip(progs, args[:n], strict=True)]
+    def run(*args: Any) -> list[jax.Array]:
+        ins = [a if p is None else p(*a) for p, a in zip(progs, args[:n], strict=True)]
         return kernel(*ins, *args[n:])
 
     return jax.jit(run, compiler_options=COMPILER_OPTIONS)

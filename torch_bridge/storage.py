@@ -76,7 +76,9 @@ class _Region:
         self._host: torch.Tensor | None = None
         #: (offset, layout) -> (buf.version, view): the card buffers of its tensors
         self.views: dict[tuple, tuple[int, DeviceBuffer]] = {}
-        #: (card array, its layout, torch dtype, strides or None) of a result not yet on the host
+        #: (card array, its layout, torch dtype, strides or None, storage bytes, the tensor's
+        #: shape) of a result not yet on the host; the shape is smaller than the layout's where
+        #: the result was computed at a size bucket and not cropped
         self.pending = pending
         self.readers: list[Any] = []
         #: the weak reference to its torch storage whose callback frees it (_storage_at)
@@ -102,8 +104,8 @@ class _Region:
         if self.pending is not None:
             with _lock:
                 if self.pending is not None:
-                    arr, lay, dtype, stride, _ = self.pending
-                    self._payload = _torch_bytes(np.asarray(arr), lay, dtype, stride)
+                    arr, lay, dtype, stride, _, shape = self.pending
+                    self._payload = _torch_bytes(np.asarray(arr), lay, dtype, stride, shape)
                     self.pending = None
                     self.views.clear()
                     self.buf.store(self._payload)
@@ -345,7 +347,7 @@ def copy_on_card(dst: torch.Tensor, src: torch.Tensor) -> bool:
         or dst.storage_offset() != 0
         or not src.is_contiguous()
         or not dst.is_contiguous()
-        or math.prod(pend[1].shape) != src.numel()
+        or math.prod(pend[5]) != src.numel()
         or rd.nbytes != pend[4]
     ):
         return False
@@ -464,15 +466,52 @@ def card_operand(
         view = _card_view(r, t, layout)
         if view is not None:  # the launch that takes it checks its read of the storage
             return view, None
-    source = _source_key(r, t)
-    geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
-    if t.numel() == 0 or not _relayout().worth_compiling(geometry):
+    source, dims = _view_source(r, t)
+    key = (source, layout, fill)
+    if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
-    src, shares = _source(r, source)
+    src, shares = _view_array(r, source)
+    sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
     buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
     if shares:  # the kernel reads the storage's host bytes: their writer waits for it
         buf.readers = r.readers
-    return DeviceBuffer.view(buf, layout, src, shares_host=shares, owns=True), geometry
+    return DeviceBuffer.view(buf, layout, (src, sizes), shares_host=shares, owns=True), key
+
+
+def _view_source(r: _Region, t: torch.Tensor) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """What :func:`card_operand` gathers ``t`` from (the key of its
+    :func:`torch_bridge.relayout.view_program`, which holds no size of ``t``), and the
+    source's own logical dims: the pending result when it holds ``t``'s dtype, else the
+    storage's bytes padded to a power of two (a size bucket of bytes)."""
+    pend = r.pending
+    if pend is not None and pend[2] == t.dtype:
+        lay, stride = pend[1], pend[3]
+        order = None
+        if stride is not None:  # laid out by strides: its dims in the storage's order
+            order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
+        return ("card", lay.device_shape, len(lay.shape), order), tuple(pend[5])
+    n = max(r.nbytes, 64)
+    return ("bytes", t.dtype, 1 << (n - 1).bit_length()), ()
+
+
+def _view_array(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
+    """The card array :func:`_view_source` names, and whether it is the host's memory (the
+    storage's bytes, as they are; a padded copy of them is not). Cached until written."""
+    if source[0] == "card":
+        return r.pending[0], False
+    key = ("bytes", source[2])
+    hit = r.views.get(key)
+    if hit is not None and hit[0] == r.buf.version:
+        return hit[1]
+    payload = r.device_bytes()
+    if payload.nbytes == source[2]:
+        raw, shares = payload, True
+    else:
+        raw, shares = np.zeros(source[2], np.uint8), False
+        raw[: payload.nbytes] = payload
+    out = (_relayout().host_bytes(raw), shares)
+    r.views[key] = (r.buf.version, out)
+    return out
 
 
 def _operand(r: _Region, t: torch.Tensor, layout: TensorLayout, data: Any) -> DeviceBuffer:
@@ -501,7 +540,7 @@ def _source_key(r: _Region, t: torch.Tensor) -> tuple[Any, ...]:
     laid out by strides, a dense permutation, adds the order of its dimensions in the storage),
     else the storage's bytes, ``("bytes", dtype)``."""
     pend = r.pending
-    if pend is not None and pend[2] == t.dtype:
+    if pend is not None and pend[2] == t.dtype and pend[5] == pend[1].shape:
         lay, stride = pend[1], pend[3]
         if stride is None:
             return ("card", lay.shape)
@@ -564,29 +603,6 @@ def _relayout() -> Any:
     from . import relayout
 
     return relayout
-
-
-def cropped(buf: DeviceBuffer, layout: TensorLayout) -> DeviceBuffer:
-    """A launch's result computed at a size bucket, cropped to ``layout`` (its own size): a new
-    buffer (``buf`` is freed), a device-side copy on the current stream."""
-    src = buf.layout
-    if _relayout().worth_compiling(("crop", src, layout)):
-        data = _relayout().crop(buf.payload(), src, layout)
-    else:  # a first use: on the host (waits for the result) rather than a compile
-        have = np.asarray(buf.payload())
-        if src.shape:
-            have = have[..., : src.shape[-1]][tuple(slice(0, n) for n in layout.shape)]
-        data = np.zeros(layout.device_shape, have.dtype)
-        data[tuple(slice(0, n) for n in layout.shape)] = have
-    out = DeviceBuffer.allocate(layout.nbytes, layout, rt=buf.rt, tag="launch", payload=data)
-    card_runtime.device_copy(
-        f"crop {layout.dtype}{list(buf.layout.shape)} to {list(layout.shape)}",
-        [buf],
-        [out],
-        layout.nbytes,
-    )
-    buf.delete()
-    return out
 
 
 def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffer | None:
@@ -683,20 +699,25 @@ def from_card_buffer(buf: DeviceBuffer, meta: Any = None) -> torch.Tensor:
 
 
 def from_card(
-    buf: DeviceBuffer, dtype: torch.dtype | None, stride: tuple[int, ...] | None
+    buf: DeviceBuffer,
+    dtype: torch.dtype | None,
+    stride: tuple[int, ...] | None,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """:func:`from_card_buffer` with the torch dtype and strides given. A card array result
-    stays pending (the host does not wait for it) until the host needs its bytes."""
+    stays pending (the host does not wait for it) until the host needs its bytes. ``shape``:
+    the tensor's, where the buffer holds it at a larger size (a size bucket's result: the rest
+    is cropped when the host reads it, and masked by the kernels that read it)."""
     lay = buf.layout
-    shape = lay.shape
+    shape = lay.shape if shape is None else tuple(shape)
     dtype = dtype or _TORCH_OF_CARD[lay.dtype]
     data = buf.payload()
     st_stride = stride if stride is not None else contig_strides(shape)
     nbytes = storage_nbytes(shape, st_stride, dtype.itemsize)
     if isinstance(data, np.ndarray):
-        payload, pending = _torch_bytes(data, lay, dtype, stride), None
+        payload, pending = _torch_bytes(data, lay, dtype, stride, shape), None
     else:
-        payload, pending = None, (data, lay, dtype, stride, nbytes)
+        payload, pending = None, (data, lay, dtype, stride, nbytes, shape)
     rt = buf.rt
     base = buf.addr
     with rt.lock, _lock:
@@ -716,16 +737,19 @@ def from_card(
 
 
 def _torch_bytes(
-    data: np.ndarray, lay: TensorLayout, dtype: torch.dtype, stride: tuple[int, ...] | None
+    data: np.ndarray,
+    lay: TensorLayout,
+    dtype: torch.dtype,
+    stride: tuple[int, ...] | None,
+    shape: tuple[int, ...],
 ) -> np.ndarray:
-    """A result in the card's layout (``data``) as a torch storage's flat bytes: the stick
-    padding dropped, widened to ``dtype`` as torch expects, laid out by ``stride`` (None:
-    contiguous)."""
-    shape = lay.shape
+    """A result in the card's layout (``data``, of ``lay``) as the flat bytes of a torch
+    storage of a ``shape`` tensor: the stick padding (and a size bucket's) dropped, widened to
+    ``dtype`` as torch expects, laid out by ``stride`` (None: contiguous)."""
     if not shape:
         host = data[:1].reshape(())
-    elif data.shape[-1] != shape[-1]:
-        host = data[..., : shape[-1]]
+    elif data.shape != tuple(shape):
+        host = data[tuple(slice(0, n) for n in shape)]
     else:
         host = data
     if dtype != _TORCH_OF_CARD[lay.dtype]:
