@@ -173,3 +173,19 @@ def test_padding_never_changes_a_result(sizes, which):
             a, b = x[None], y[None].transpose(1, 2)
             got, want = torch.bmm(a.to("spyre"), b.to("spyre")).cpu(), torch.bmm(a, b)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_bucketed_result_feeds_a_compiled_graph_and_the_host():
+    """A result kept at its bucket's size reads as its own size everywhere: in a graph compiled
+    by the backend, on the host, through views and an in-place op."""
+    f = torch.compile(lambda t: t * 3 + 1, backend="spyre", dynamic=False)
+    g = torch.Generator().manual_seed(5)
+    for n in (9, 10, 11):
+        x = torch.randn(4, n, generator=g)
+        s = x.to("spyre") + 1  # on bucket 64 from the second size on
+        torch.testing.assert_close(f(s).cpu(), (x + 1) * 3 + 1)
+        assert s.cpu().shape == (4, n) and s[:, -1].cpu().shape == (4,)
+        torch.testing.assert_close(s[1:, 2:].cpu(), (x + 1)[1:, 2:])
+        s.mul_(2)
+        torch.testing.assert_close(s.cpu(), (x + 1) * 2)
+        torch.testing.assert_close(s.sum().cpu(), ((x + 1) * 2).sum(), rtol=1e-5, atol=1e-4)
