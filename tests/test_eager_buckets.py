@@ -189,3 +189,14 @@ def test_a_bucketed_result_feeds_a_compiled_graph_and_the_host():
         s.mul_(2)
         torch.testing.assert_close(s.cpu(), (x + 1) * 2)
         torch.testing.assert_close(s.sum().cpu(), ((x + 1) * 2).sum(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_whole_padded_result_read_at_its_bucket_is_masked_not_gathered():
+    g = torch.Generator().manual_seed(6)
+    for n in (20, 23, 26, 29):
+        x = torch.randn(4, n, generator=g)
+        s = x.to("spyre") + 1
+        r = (s * 2).cpu()  # s is all of a result already at bucket 64: only its padding changes
+        torch.testing.assert_close(r, (x + 1) * 2)
+    keys = [k for p in eager._plans.values() if p.compiled is not None for k in p.compiled.variants]
+    assert any(g is not None and g[0] == ("masked",) for k in keys for g in k)

@@ -137,14 +137,17 @@ def view_program(
     positions past the view's own sizes hold ``fill``), so a decode step whose lengths grow by
     one each time compiles nothing new.
 
-    ``source``: ``("bytes", torch dtype, length)`` for a storage's flat bytes (padded to
-    ``length``), or ``("card", device shape, rank, order)`` for a pending result in its card
-    layout, whose logical dims (the first ``rank`` entries of ``dyn``) may be smaller than the
-    device shape (a result computed at a size bucket and not cropped); ``order``: its dims from
-    the outermost in the storage (None: contiguous). Not jitted: it runs inside the kernel's
-    program (:func:`fused`)."""
+    ``source``: ``("masked",)`` for a whole result already in ``layout`` (``dyn``: its own
+    sizes; the rest is masked to ``fill``), ``("bytes", torch dtype, length)`` for a storage's
+    flat bytes (padded to ``length``), or ``("card", device shape, rank, order)`` for a
+    pending result in its card layout, whose logical dims (the first ``rank`` entries of
+    ``dyn``) may be smaller than the device shape (a result computed at a size bucket and not
+    cropped); ``order``: its dims from the outermost in the storage (None: contiguous). Not
+    jitted: it runs inside the kernel's program (:func:`fused`)."""
     kind = source[0]
     rank = len(layout.shape)
+    if kind == "masked":
+        return _masked(layout, fill)
     src_rank = source[2] if kind == "card" else 0
     order = (source[3] or tuple(range(src_rank))) if kind == "card" else ()
     out_dt = np_dtype(layout.dtype)
@@ -175,6 +178,21 @@ def view_program(
         vals = jnp.where(mask, vals.astype(out_dt), jnp.asarray(fill, out_dt))
         out = jnp.full(layout.device_shape, fill, out_dt)
         return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
+
+    return run
+
+
+def _masked(layout: TensorLayout, fill: Any) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """A result already in ``layout`` (a size bucket's) whose own sizes (``dyn``) are smaller:
+    the positions past them take ``fill``, no gather."""
+    out_dt = np_dtype(layout.dtype)
+    dshape = layout.device_shape
+
+    def run(src: jax.Array, dyn: jax.Array) -> jax.Array:
+        mask = jnp.ones(dshape, bool)
+        for k in range(len(layout.shape)):
+            mask = mask & (lax.broadcasted_iota(jnp.int32, dshape, k) < dyn[k])
+        return jnp.where(mask, src.astype(out_dt), jnp.asarray(fill, out_dt))
 
     return run
 

@@ -466,26 +466,40 @@ def card_operand(
         view = _card_view(r, t, layout)
         if view is not None:  # the launch that takes it checks its read of the storage
             return view, None
-    source, dims = _view_source(r, t)
+    source, dims = _view_source(r, t, layout)
     key = (source, layout, fill)
     if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
     src, shares = _view_array(r, source)
-    sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
+    if source[0] == "masked":
+        sizes = np.array(dims, np.int32)
+    else:
+        sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
     buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
     if shares:  # the kernel reads the storage's host bytes: their writer waits for it
         buf.readers = r.readers
     return DeviceBuffer.view(buf, layout, (src, sizes), shares_host=shares, owns=True), key
 
 
-def _view_source(r: _Region, t: torch.Tensor) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+def _view_source(
+    r: _Region, t: torch.Tensor, layout: TensorLayout
+) -> tuple[tuple[Any, ...], tuple[int, ...]]:
     """What :func:`card_operand` gathers ``t`` from (the key of its
     :func:`torch_bridge.relayout.view_program`, which holds no size of ``t``), and the
-    source's own logical dims: the pending result when it holds ``t``'s dtype, else the
-    storage's bytes padded to a power of two (a size bucket of bytes)."""
+    source's own logical dims: the pending result when it holds ``t``'s dtype (``masked`` when
+    ``t`` is all of it and it is in ``layout`` already), else the storage's bytes padded to a
+    power of two (a size bucket of bytes)."""
     pend = r.pending
     if pend is not None and pend[2] == t.dtype:
         lay, stride = pend[1], pend[3]
+        if (
+            lay == layout
+            and stride is None
+            and t.storage_offset() == 0
+            and tuple(t.shape) == tuple(pend[5])
+            and t.is_contiguous()
+        ):  # the whole result, at the bucket the kernel runs at: only its padding changes
+            return ("masked",), tuple(pend[5])
         order = None
         if stride is not None:  # laid out by strides: its dims in the storage's order
             order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
@@ -497,7 +511,7 @@ def _view_source(r: _Region, t: torch.Tensor) -> tuple[tuple[Any, ...], tuple[in
 def _view_array(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
     """The card array :func:`_view_source` names, and whether it is the host's memory (the
     storage's bytes, as they are; a padded copy of them is not). Cached until written."""
-    if source[0] == "card":
+    if source[0] != "bytes":
         return r.pending[0], False
     key = ("bytes", source[2])
     hit = r.views.get(key)
