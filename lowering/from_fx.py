@@ -35,11 +35,15 @@ RULE_MODULES = (fx_elementwise, fx_tensor)
 
 
 def supported(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a call this importer has a rule for, on dtypes the card has."""
+    """Whether ``node`` is a call this importer has a rule for, on dtypes the card has (an
+    ``invoke_subgraph`` region: when every node of its subgraph is)."""
     if node.op != "call_function":
         return True
     if node.target is operator.getitem:
         return True
+    if node.target is _INVOKE_SUBGRAPH:
+        sub = _region(node)
+        return sub is not None and all(supported(n) for n in sub.graph.nodes)
     if node.target not in RULES:
         return False
     when = WHEN.get(node.target)
@@ -74,13 +78,42 @@ def node_source(node: torch.fx.Node) -> str:
 
 def from_fx(gm: torch.fx.GraphModule, name: str = "fx") -> Graph:
     """Import an FX graph of core ATen ops (placeholders in order become the graph's inputs;
-    ``get_attr`` tensors become constants) into a :class:`Graph`."""
+    ``get_attr`` tensors become constants) into a :class:`Graph`. A region compiled once and
+    called many times (``torch.compiler.nested_compile_region``: an ``invoke_subgraph`` node)
+    is imported at each call, its subgraph's placeholders bound to the call's operands."""
     b = Builder()
-    env: dict[torch.fx.Node, Any] = {}
     inputs: list[Var] = []
-    outputs: list[Var] = []
+    outputs = _import(b, gm, None, inputs)
+    return Graph(name, tuple(inputs), tuple(b.nodes), tuple(outputs), tuple(b.consts))
+
+
+#: the higher-order op of a region traced once and called at every use
+_INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+
+def _region(node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The subgraph an ``invoke_subgraph`` node calls."""
+    sub = node.args[0]
+    if not isinstance(sub, torch.fx.Node) or sub.op != "get_attr":
+        return None
+    gm = _fetch_attr(sub.graph.owning_module, sub.target)
+    return gm if isinstance(gm, torch.fx.GraphModule) else None
+
+
+def _import(
+    b: Builder, gm: torch.fx.GraphModule, operands: list[Any] | None, inputs: list[Var]
+) -> list[Any]:
+    """``gm``'s nodes into ``b``; its outputs. Placeholders become new graph inputs (appended
+    to ``inputs``) or, for a region (``operands`` given), the call's operands."""
+    env: dict[torch.fx.Node, Any] = {}
+    outputs: list[Any] = []
+    k = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
+            if operands is not None:
+                env[node] = operands[k]
+                k += 1
+                continue
             v = meta_val(node)
             if not isinstance(v, torch.Tensor):
                 raise LoweringError(f"spyre: graph input {node.name} is not a tensor ({v!r})")
@@ -89,21 +122,27 @@ def from_fx(gm: torch.fx.GraphModule, name: str = "fx") -> Graph:
             inputs.append(var)
         elif node.op == "get_attr":
             t = _fetch_attr(gm, node.target)
-            env[node] = _const_of(b, t)
+            env[node] = t if isinstance(t, torch.fx.GraphModule) else _const_of(b, t)
+        elif node.op == "call_function" and node.target is _INVOKE_SUBGRAPH:
+            sub = _region(node)
+            if sub is None:
+                raise LoweringError(f"spyre: a region without its subgraph ({node.format_node()})")
+            ops = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args[2:]]
+            env[node] = tuple(_import(b, sub, ops, inputs))
         elif node.op == "call_function":
             env[node] = _call(b, gm, node, env)
         elif node.op == "output":
             outs = node.args[0]
             for o in outs if isinstance(outs, list | tuple) else [outs]:
                 val = env[o] if isinstance(o, torch.fx.Node) else o
-                if isinstance(val, Lit) or not isinstance(val, Var):
+                if operands is None and (isinstance(val, Lit) or not isinstance(val, Var)):
                     val = b.const(np.asarray(getattr(val, "value", val)))
                 outputs.append(val)
         else:
             raise LoweringError(
                 f"spyre: FX node kind {node.op} is not supported ({node.format_node()})"
             )
-    return Graph(name, tuple(inputs), tuple(b.nodes), tuple(outputs), tuple(b.consts))
+    return outputs
 
 
 def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:

@@ -479,3 +479,49 @@ def test_a_model_without_its_cache_has_no_cpu_fallback():
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
     _check(lambda ids: model(ids).logits, ids, k=4)
+
+
+def test_a_region_compiled_once_is_one_kernel_with_every_call_inlined(monkeypatch):
+    # torch.compiler.nested_compile_region: Dynamo and AOTAutograd trace the layer once and
+    # call it as an invoke_subgraph region; the importer inlines each call (its own weights),
+    # the card runs one kernel, nothing falls back to the CPU
+    import lowering.from_fx as ff
+    import torch_bridge.backend as tb
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        @torch.compiler.nested_compile_region
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)) + x
+
+    class Model(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer() for _ in range(n)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    calls = []
+    orig = ff._import
+
+    def spy(b, gm, ops, inputs):
+        calls.append(ops is not None)
+        return orig(b, gm, ops, inputs)
+
+    monkeypatch.setattr(ff, "_import", spy)
+    torch.manual_seed(0)
+    model = Model(3).eval()
+    x = torch.randn(4, 64)
+    before = dict(tb.fallback_stats())
+    with torch.no_grad():
+        got = torch.compile(model, backend="spyre")(x)
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sum(calls) == 3  # the region, imported at each of its three calls
+    assert tb.fallback_stats() == before
