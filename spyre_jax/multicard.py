@@ -43,13 +43,13 @@ from device_model.card import CardSpec
 from device_model.execute import run_kernel
 from device_model.kernel import Kernel, format_kernel
 from device_model.layout import TensorLayout, layout_for, np_dtype
-from device_model.runtime import copy_in, runtime
+from device_model.runtime import copy_in, runtime, to_device_layout
 from device_model.timing import kernel_cost
 from lowering.errors import LoweringError
 from lowering.from_jaxpr import from_jaxpr
 from lowering.pipeline import compile_graph
 
-from .runtime import Array, Device, _num_cards, copy_out, host_dtype
+from .runtime import Array, Device, copy_out, host_dtype, num_cards
 
 __all__ = [
     "COLLECTIVES",
@@ -76,11 +76,6 @@ COLLECTIVES = {
 _LOCAL = ("axis_index",)
 #: type-level primitives (JAX's varying-manual-axes checks): no data moves, dropped
 _NO_OPS = ("pvary", "pbroadcast")
-
-
-def num_cards() -> int:
-    """The number of simulated cards: ``SPYRE_NUM_CARDS`` (1 when unset)."""
-    return _num_cards()
 
 
 def collective_seconds(kind: str, nbytes: float, n: int, card: CardSpec) -> float:
@@ -163,19 +158,19 @@ def _is_var(v: Any) -> bool:
 def _cut(body: Any, sizes: dict[str, int], card: CardSpec, name: str) -> list[_Segment]:
     """The body's equations as kernels and collectives, in program order."""
     eqns = _without_no_ops(body)
-    later_reads: list[set[Any]] = [set() for _ in range(len(eqns) + 1)]
-    later_reads[len(eqns)] = {v for v in body.outvars if _is_var(v)}
-    for i in range(len(eqns) - 1, -1, -1):
-        later_reads[i] = later_reads[i + 1] | {v for v in eqns[i].invars if _is_var(v)}
+    last_read: dict[Any, int] = {}  # each value's last reader (the body's results: past the end)
+    for i, e in enumerate(eqns):
+        last_read.update((v, i) for v in e.invars if _is_var(v))
+    last_read.update((v, len(eqns)) for v in body.outvars if _is_var(v))
     segs: list[_Segment] = []
     group: list[Any] = []
-    group_start = 0
     in_flight: set[Any] = set()  # collective results issued since the current group began
 
     def flush(end: int) -> None:
         nonlocal group
         if group:
-            segs.append(_kernel_segment(group, later_reads[end], card, f"{name}_k{len(segs)}"))
+            live = {v for e in group for v in e.outvars if last_read.get(v, -1) >= end}
+            segs.append(_kernel_segment(group, live, card, f"{name}_k{len(segs)}"))
         group = []
 
     for i, e in enumerate(eqns):
@@ -197,16 +192,11 @@ def _cut(body: Any, sizes: dict[str, int], card: CardSpec, name: str) -> list[_S
                 seg.seconds = collective_seconds(seg.kind, seg.nbytes, seg.cards, card)
                 in_flight.update(e.outvars)
             segs.append(seg)
-            group_start = i + 1
             continue
         if in_flight and any(v in in_flight for v in e.invars if _is_var(v)):
             flush(i)  # what waits for a collective is a kernel of its own: the rest overlaps it
             in_flight = set()
-            group_start = i
-        if not group:
-            group_start = i
         group.append(e)
-    del group_start
     flush(len(eqns))
     return segs
 
@@ -235,7 +225,7 @@ def _kernel_segment(eqns: list[Any], live_after: set[Any], card: CardSpec, name:
             if _is_var(v) and v not in defined and v not in invars:
                 invars.append(v)
         defined.update(e.outvars)
-    outvars = [v for e in eqns for v in e.outvars if v in live_after and v in defined]
+    outvars = [v for e in eqns for v in e.outvars if v in live_after]
     info = jcore.DebugInfo(
         "spyre_jax.jit",
         name,
@@ -250,21 +240,21 @@ def _kernel_segment(eqns: list[Any], live_after: set[Any], card: CardSpec, name:
     seg = _Segment(invars, outvars, kernel=kernel)
     seg.in_layouts = tuple(decls[n].layout for n in kernel.inputs[:n_in])
     seg.out_layouts = tuple(decls[o].layout for o in kernel.outputs)
-    seg.consts = [_to_device(np.asarray(a), decls[n].layout) for n, a in kernel.consts]
+    seg.consts = [to_device_layout(a, decls[n].layout) for n, a in kernel.consts]
     seg.cost = kernel_cost(kernel, card)
     seg.seconds = seg.cost["sim_time_us"] * 1e-6
     return seg
 
 
-def _to_device(x: Any, lay: TensorLayout) -> Any:
-    """Logical values -> the card layout (the stick dimension padded; rank 0 as one element)."""
-    xp = np if isinstance(x, np.ndarray) else jnp
+def _to_device(x: jax.Array, lay: TensorLayout) -> jax.Array:
+    """Logical values -> the card layout inside the traced program
+    (``device_model.runtime.to_device_layout``, in JAX)."""
     x = x.astype(np_dtype(lay.dtype))
     if not lay.shape:
         return x.reshape(1)
     pad = lay.device_shape[-1] - x.shape[-1]
     if pad:
-        x = xp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
     return x
 
 

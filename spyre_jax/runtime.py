@@ -72,11 +72,13 @@ def devices() -> list[Device]:
     """The simulated cards: ``SPYRE_NUM_CARDS`` of them (one when unset). Build a
     ``jax.sharding.Mesh`` of them for a ``jax.shard_map`` function (tensor parallelism); a
     single-card function runs on the first."""
-    n = _num_cards()
+    n = num_cards()
     return [_DEVICE] + [Device(i) for i in range(1, n)]
 
 
-def _num_cards() -> int:
+def num_cards() -> int:
+    """The number of simulated cards: ``SPYRE_NUM_CARDS`` (1 when unset; ValueError when it
+    is not a positive integer)."""
     raw = os.environ.get("SPYRE_NUM_CARDS", "1").strip() or "1"
     try:
         n = int(raw)

@@ -643,11 +643,10 @@ def _launch(plan: _Plan, leaves: list) -> Any:
             x = leaves[i]
             g = None
             if kind == "T":
-                if pad:  # gathered into the bucket's size, the rest filled (in the kernel)
-                    b, g = st.card_operand(x, lay, pad[0].fills[i])
+                # on a bucket's kernel: gathered into the bucket's size, the rest filled
+                b, g = st.card_operand(x, lay, pad[0].fills[i] if pad else 0)
+                if pad:
                     padding += (math.prod(lay.shape) - x.numel()) * np_dtype(lay.dtype).itemsize
-                else:
-                    b, g = st.card_operand(x, lay)
                 temps.append(b)
                 operands.append(b)
             elif kind == "C":
@@ -699,7 +698,7 @@ def _fused(plan: _Plan, geometries: tuple) -> Any:
     return exe
 
 
-#: fused programs kept per plan (one per combination of operand geometries seen)
+#: fused programs kept per executable (one per combination of operand geometries seen)
 FUSED_PER_PLAN = 64
 
 

@@ -3,14 +3,15 @@ launch takes, as a JAX program over the storage's bytes (or over the pending car
 launch that made them), so that a strided view, an int64 tensor or a row that is not a whole
 number of sticks goes to the next kernel without the host waiting for the card.
 
-Imported on the first launch that needs it (``import torch`` must not load JAX): the
-:mod:`torch_bridge.storage` layer calls :func:`gather`.
+One program per kind of source and target layout (:func:`view_program`), the view's sizes its
+arguments: folded into the kernel that reads the view (:func:`fused`), or run alone
+(:func:`gather_view`). Imported on the first launch that needs it (``import torch`` must not
+load JAX): the :mod:`torch_bridge.storage` layer calls it.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from jax import lax
 from device_model.layout import TensorLayout, np_dtype
 from device_model.program import COMPILER_OPTIONS
 
-__all__ = ["gather", "host_bytes", "worth_compiling", "fused", "view_program", "gather_view"]
+__all__ = ["host_bytes", "worth_compiling", "fused", "view_program", "gather_view"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -50,45 +51,6 @@ def _decode(raw: jax.Array, dtype: torch.dtype) -> jax.Array:
     return lax.bitcast_convert_type(raw.reshape(n, isz), jnp.dtype(kind))
 
 
-@functools.lru_cache(maxsize=4096)
-def _program(
-    source: tuple[Any, ...],
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    offset: int,
-    layout: TensorLayout,
-    fill: Any,
-) -> Callable[[jax.Array], jax.Array]:
-    """The jitted gather of one view geometry from one kind of source (into ``layout``, whose
-    shape may be larger: the rest is ``fill``)."""
-    kind = source[0]
-
-    def run(src: jax.Array) -> jax.Array:
-        if kind == "bytes":  # a storage's bytes: ("bytes", torch dtype)
-            flat = _decode(src, source[1])
-        else:  # a pending result in its card layout: ("card", its logical shape[, order])
-            lshape = source[1]
-            vals = src[..., : lshape[-1]] if lshape else src[:1]
-            if len(source) > 2:  # laid out by strides: its dims in the storage's order
-                vals = jnp.transpose(vals, source[2])
-            flat = vals.reshape(-1)
-        if shape:
-            idx = jnp.full(shape, offset, jnp.int32)
-            for k, (n, s) in enumerate(zip(shape, stride, strict=True)):
-                if n > 1 and s:
-                    idx = idx + lax.broadcasted_iota(jnp.int32, shape, k) * s
-            vals = flat[idx]
-        else:
-            vals = flat[offset]
-        vals = vals.astype(np_dtype(layout.dtype))
-        out = jnp.full(layout.device_shape, fill, vals.dtype)
-        if not shape:
-            return out.at[0].set(vals)
-        return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
-
-    return jax.jit(run)
-
-
 #: a geometry is gathered by a compiled program from its this-many-th use on; its first use
 #: is a copy on the host (a compile costs 10-50 ms, a one-off view's host copy far less)
 COMPILE_AFTER = 2
@@ -108,23 +70,6 @@ def worth_compiling(key: Any) -> bool:
 def host_bytes(payload: np.ndarray) -> jax.Array:
     """A storage's host bytes as a card array (over the same memory where XLA can alias it)."""
     return jax.device_put(payload, may_alias=True)
-
-
-def gather(src: jax.Array, geometry: tuple[Any, ...]) -> jax.Array:
-    """A view's elements in a card layout: a card array.
-
-    ``geometry`` is ``(source, shape, strides, offset, layout, fill)``, the key the storage
-    builds (``torch_bridge.storage.key_strides``: a size-1 dimension's stride is 0). ``source``
-    is ``("bytes", dtype)`` when ``src`` is the storage's flat bytes, or ``("card", shape)``
-    when it is a pending result of that logical shape in its card layout (contiguous).
-    ``layout`` may be larger than the view (a size bucket): the positions past it hold ``fill``.
-    A pending result laid out by strides (a dense permutation) is ``("card", shape, order)``,
-    ``order`` its dimensions from the outermost in the storage.
-    """
-    source, shape, stride, offset, layout, fill = geometry
-    if math.prod(shape) == 0:
-        raise ValueError("spyre: no elements to gather")
-    return _program(source, shape, stride, offset, layout, fill)(src)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -198,7 +143,8 @@ def _masked(layout: TensorLayout, fill: Any) -> Callable[[jax.Array, jax.Array],
 
 
 def gather_view(src: jax.Array, dyn: np.ndarray, key: tuple[Any, ...]) -> jax.Array:
-    """:func:`view_program` run alone (jitted), for a kernel run stage by stage."""
+    """:func:`view_program` run alone (jitted): for a kernel run stage by stage, and for an
+    operand of a graph the backend compiled (``torch_bridge.storage.as_card_buffer``)."""
     return _jitted_view(key)(src, dyn)
 
 

@@ -455,7 +455,7 @@ def card_operand(
     on a geometry's first use a copy gathered on the host). ``(buffer, geometry)``: the buffer
     holds the *source* of the view (the pending result, or the storage's bytes as a card array)
     and the kernel that reads it gathers ``geometry`` first
-    (:func:`torch_bridge.relayout.gather`'s key), in the same program: one dispatch for the
+    (:func:`torch_bridge.relayout.view_program`'s key), in the same program: one dispatch for the
     re-layout and the kernel. Either way the re-layout is a step on the current stream, and
     the caller deletes the buffer when done. A direct view is not race-checked here: the
     launch that takes it (``device_model.runtime.launch``) checks every buffer it reads.
@@ -466,26 +466,33 @@ def card_operand(
         view = _card_view(r, t, layout)
         if view is not None:  # the launch that takes it checks its read of the storage
             return view, None
-    source, dims = _view_source(r, t, layout)
-    key = (source, layout, fill)
+    key, sizes = _view_key(r, t, layout, fill)
     if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
-    src, shares = _view_array(r, source)
-    if source[0] == "masked":
-        sizes = np.array(dims, np.int32)
-    else:
-        sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
+    src, shares = _view_array(r, key[0])
     buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
     if shares:  # the kernel reads the storage's host bytes: their writer waits for it
         buf.readers = r.readers
     return DeviceBuffer.view(buf, layout, (src, sizes), shares_host=shares, owns=True), key
 
 
+def _view_key(
+    r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any
+) -> tuple[tuple[Any, ...], np.ndarray]:
+    """The :func:`torch_bridge.relayout.view_program` key of ``t`` gathered into ``layout``
+    (it holds no size of ``t``) and the sizes its program runs with."""
+    source, dims = _view_source(r, t, layout)
+    if source[0] == "masked":
+        sizes = np.array(dims, np.int32)
+    else:
+        sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
+    return (source, layout, fill), sizes
+
+
 def _view_source(
     r: _Region, t: torch.Tensor, layout: TensorLayout
 ) -> tuple[tuple[Any, ...], tuple[int, ...]]:
-    """What :func:`card_operand` gathers ``t`` from (the key of its
-    :func:`torch_bridge.relayout.view_program`, which holds no size of ``t``), and the
+    """What a view ``t`` is gathered from on the card, without the host waiting, and the
     source's own logical dims: the pending result when it holds ``t``'s dtype (``masked`` when
     ``t`` is all of it and it is in ``layout`` already), else the storage's bytes padded to a
     power of two (a size bucket of bytes)."""
@@ -548,46 +555,16 @@ def key_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True))
 
 
-def _source_key(r: _Region, t: torch.Tensor) -> tuple[Any, ...]:
-    """What a view of ``r`` is gathered from on the card without the host waiting: the pending
-    result when it holds ``t``'s dtype, ``("card", its shape)`` (in its card layout; a result
-    laid out by strides, a dense permutation, adds the order of its dimensions in the storage),
-    else the storage's bytes, ``("bytes", dtype)``."""
-    pend = r.pending
-    if pend is not None and pend[2] == t.dtype and pend[5] == pend[1].shape:
-        lay, stride = pend[1], pend[3]
-        if stride is None:
-            return ("card", lay.shape)
-        return ("card", lay.shape, tuple(sorted(range(len(stride)), key=lambda k: -stride[k])))
-    return ("bytes", t.dtype)
-
-
-def _source(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
-    """The card array :func:`_source_key` names, and whether it is host memory (the storage's
-    bytes, cached until they are written)."""
-    if source[0] == "card":
-        return r.pending[0], False
-    payload = r.device_bytes()
-    key = ("bytes",)
-    hit = r.views.get(key)
-    if hit is not None and hit[0] == r.buf.version:
-        return hit[1], True
-    raw = _relayout().host_bytes(payload)
-    r.views[key] = (r.buf.version, raw)
-    return raw, True
-
-
 def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:
-    """``t`` in ``layout`` as a card array gathered on the card (:mod:`torch_bridge.relayout`)
-    from its pending result or its storage's bytes, so the host does not wait; a read of host
-    bytes is recorded in the region's ``readers``."""
-    relayout = _relayout()
-    source = _source_key(r, t)
-    geometry = (source, tuple(t.shape), key_strides(t), t.storage_offset(), layout, fill)
-    if not relayout.worth_compiling(geometry):
+    """``t`` in ``layout`` as a card array gathered on the card (by the program
+    :func:`card_operand` folds into a kernel, run alone) from its pending result or its
+    storage's bytes, so the host does not wait; a read of host bytes is recorded in the
+    region's ``readers``."""
+    key, sizes = _view_key(r, t, layout, fill)
+    if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _host_gathered(t, layout, fill)
-    src, shares = _source(r, source)
-    out = relayout.gather(src, geometry)
+    src, shares = _view_array(r, key[0])
+    out = _relayout().gather_view(src, sizes, key)
     if shares:
         r.readers.append(out)
     return out
