@@ -83,7 +83,9 @@ def view_program(
     one each time compiles nothing new.
 
     ``source``: ``("masked",)`` for a whole result already in ``layout`` (``dyn``: its own
-    sizes; the rest is masked to ``fill``), ``("bytes", torch dtype, length)`` for a storage's
+    sizes; the rest is masked to ``fill``), ``("reshape", device shape)`` for a whole result
+    whose leading dims are regrouped (same last dim, same sticks; ``dyn`` empty),
+    ``("bytes", torch dtype, length)`` for a storage's
     flat bytes (padded to ``length``), or ``("card", device shape, rank, order)`` for a
     pending result in its card layout, whose logical dims (the first ``rank`` entries of
     ``dyn``) may be smaller than the device shape (a result computed at a size bucket and not
@@ -93,6 +95,9 @@ def view_program(
     rank = len(layout.shape)
     if kind == "masked":
         return _masked(layout, fill)
+    if kind == "reshape":  # the same sticks, the leading dims regrouped: nothing moves
+        dshape = layout.device_shape
+        return lambda src, dyn: src.reshape(dshape)
     src_rank = source[2] if kind == "card" else 0
     order = (source[3] or tuple(range(src_rank))) if kind == "card" else ()
     out_dt = np_dtype(layout.dtype)

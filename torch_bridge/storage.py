@@ -470,10 +470,17 @@ def card_operand(
     if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
     src, shares = _view_array(r, key[0])
+    if key[0][0] in _SAME_BYTES:  # the kernel reads the result's own bytes: no re-layout step
+        return DeviceBuffer.view(r.buf, layout, (src, sizes), shares_host=False), key
     buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
     if shares:  # the kernel reads the storage's host bytes: their writer waits for it
         buf.readers = r.readers
     return DeviceBuffer.view(buf, layout, (src, sizes), shares_host=shares, owns=True), key
+
+
+#: view sources whose gather leaves the bytes where they are on the card (padding masked, or
+#: leading dims regrouped over the same sticks): the kernel reads the result's own region
+_SAME_BYTES = frozenset({"masked", "reshape"})
 
 
 def _view_key(
@@ -482,7 +489,7 @@ def _view_key(
     """The :func:`torch_bridge.relayout.view_program` key of ``t`` gathered into ``layout``
     (it holds no size of ``t``) and the sizes its program runs with."""
     source, dims = _view_source(r, t, layout)
-    if source[0] == "masked":
+    if source[0] in _SAME_BYTES:
         sizes = np.array(dims, np.int32)
     else:
         sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
@@ -507,6 +514,18 @@ def _view_source(
             and t.is_contiguous()
         ):  # the whole result, at the bucket the kernel runs at: only its padding changes
             return ("masked",), tuple(pend[5])
+        if (
+            stride is None
+            and lay.dtype == layout.dtype
+            and tuple(pend[5]) == lay.shape
+            and tuple(t.shape) == layout.shape
+            and t.storage_offset() == 0
+            and t.is_contiguous()
+            and lay.shape[-1:] == layout.shape[-1:]
+            and lay.device_shape[-1:] == layout.device_shape[-1:]
+            and math.prod(lay.device_shape) == math.prod(layout.device_shape)
+        ):  # the whole result with its leading dims regrouped: the same sticks on the card
+            return ("reshape", lay.device_shape), ()
         order = None
         if stride is not None:  # laid out by strides: its dims in the storage's order
             order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
