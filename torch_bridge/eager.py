@@ -38,7 +38,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from device_model.layout import layout_for, np_dtype
 from device_model.memory import DeviceOOMError
@@ -48,6 +48,7 @@ from lowering.from_fx import RULES, card_dtype, from_fx, supported
 from . import buckets
 from . import storage as st
 from .errors import SpyreFallbackWarning
+from .host_ops import run_on_host
 from .kernels import load
 
 __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
@@ -293,8 +294,9 @@ class _Plan:
 
     def __init__(self) -> None:
         self.compiled: Any = None
-        #: (leaf index, kind: T spyre tensor / C cpu 0-dim tensor / S number, dtype, layout)
-        self.inputs: list[tuple[int, str, torch.dtype, Any]] = []
+        #: (leaf index, kind: T spyre tensor / C cpu 0-dim tensor / S number, dtype, layout,
+        #: NT: the kernel reads the tensor's transpose, its own bytes, and transposes it back)
+        self.inputs: list[tuple[int, str, torch.dtype, Any, bool]] = []
         #: each result's (torch dtype, strides or None for contiguous)
         self.outs: list[tuple[torch.dtype, tuple[int, ...] | None]] = []
         self.single = True
@@ -469,12 +471,18 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
             if p is None:
                 continue
             if st.is_spyre(x):
-                lay = layout_for(tuple(x.shape), card_dtype(x.dtype, "an input"), stick)
-                inputs.append((i, "T", x.dtype, lay))
+                nt = op in _NT_OPS and _is_nt(x)
+                shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if nt else tuple(x.shape)
+                lay = layout_for(shape, card_dtype(x.dtype, "an input"), stick)
+                inputs.append((i, "T", x.dtype, lay, nt))
             else:
-                inputs.append((i, "C" if isinstance(x, torch.Tensor) else "S", p.dtype, None))
+                kind = "C" if isinstance(x, torch.Tensor) else "S"
+                inputs.append((i, kind, p.dtype, None, False))
         plan.inputs = inputs
-        gm = _one_op_graph(op, spec, leaves, ph, out, outs)
+        nts = tuple(i for i, *_, nt in inputs if nt)
+        gm = _one_op_graph(op, spec, leaves, ph, out, outs, nts, mode)
+        if nts:
+            key = (key, nts)
         compiled = _compiled.get(key)  # another stride pattern may have compiled it
         if compiled is None:
             compiled = _compile(op, gm, spec, orig, inputs)
@@ -488,18 +496,46 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
     return plan
 
 
+#: ops that read an operand given transposed (``x @ w.t()``, a Linear's weight) in place: the
+#: kernel takes the operand's own bytes and a transpose the lowering folds into the matmul
+#: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call
+_NT_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
+
+
+def _is_nt(x: torch.Tensor) -> bool:
+    """``x`` is the transpose of its last two dims of a contiguous tensor (not itself one)."""
+    return x.dim() >= 2 and not x.is_contiguous() and x.transpose(-1, -2).is_contiguous()
+
+
 def _one_op_graph(
-    op: Any, spec: Any, leaves: list, ph: list, out: Any, outs: list
+    op: Any,
+    spec: Any,
+    leaves: list,
+    ph: list,
+    out: Any,
+    outs: list,
+    nts: tuple[int, ...] = (),
+    mode: Any = None,
 ) -> torch.fx.GraphModule:
+    """The op as an FX graph of one node over placeholders; an input in ``nts`` is given as
+    its transpose (contiguous) and transposed back in the graph."""
     g = torch.fx.Graph()
     env: list[Any] = []
     for i, (x, p) in enumerate(zip(leaves, ph, strict=True)):
         if p is None:
             env.append(x)
-        else:
-            n = g.placeholder(f"x{i}")
-            n.meta["val"] = p
-            env.append(n)
+            continue
+        n = g.placeholder(f"x{i}")
+        n.meta["val"] = p
+        if i in nts:
+            with mode:
+                n.meta["val"] = torch.empty_like(
+                    p.transpose(-1, -2), memory_format=torch.contiguous_format
+                )
+                val = n.meta["val"].transpose(-1, -2)
+            n = g.call_function(aten.transpose.int, (n, -1, -2))
+            n.meta["val"] = val
+        env.append(n)
     a, k = tree_unflatten(env, spec)
     node = g.call_function(op, tuple(a), dict(k))
     node.meta["val"] = out
@@ -521,7 +557,7 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     name = "eager_" + op.name().replace("::", "_").replace(".", "_")
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     if not supported(node):
-        if any(kind != "T" for _, kind, _, _ in inputs):
+        if any(kind != "T" or nt for _, kind, _, _, nt in inputs):
             raise NotImplementedError(f"no lowering rule for {op}")
         gm = _decomposed(op, spec, orig, inputs)
         bad = [n for n in gm.graph.nodes if not supported(n)]
@@ -537,7 +573,7 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
 
 
 def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:
-    idx = [i for i, _, _, _ in inputs]
+    idx = [i for i, *_ in inputs]
 
     def f(*ts: torch.Tensor) -> Any:
         vals = list(orig)
@@ -639,9 +675,11 @@ def _launch(plan: _Plan, leaves: list) -> Any:
     padding = 0
     geometries: list[Any] = []
     try:
-        for i, kind, pdt, lay in plan.inputs:
+        for i, kind, pdt, lay, nt in plan.inputs:
             x = leaves[i]
             g = None
+            if nt:  # its own bytes: the kernel transposes it
+                x = x.transpose(-1, -2)
             if kind == "T":
                 # on a bucket's kernel: gathered into the bucket's size, the rest filled
                 b, g = st.card_operand(x, lay, pad[0].fills[i] if pad else 0)
@@ -726,10 +764,9 @@ def _user_stacklevel() -> int:
 
 
 def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: Any = None) -> Any:
-    """Run ``op`` on the CPU over the spyre tensors' bytes: in-place writes land in device
-    memory, ``out=`` tensors are resized and filled, new results are copied in. With a
-    ``reason``, warn (naming the op, or ``name``: the functional op of an in-place/out= one)
-    and count it as a fallback."""
+    """Run ``op`` on the CPU over the spyre tensors' bytes (:func:`torch_bridge.host_ops.
+    run_on_host`). With a ``reason``, warn (naming the op, or ``name``: the functional op of an
+    in-place/out= one) and count it as a fallback."""
     if reason is not None:
         what = str(name or op)
         warnings.warn(
@@ -740,54 +777,4 @@ def _run_cpu(op: Any, args: tuple, kwargs: dict, *, reason: str | None, name: An
         with _lock:
             _counts["cpu_fallbacks"] += 1
             _fallbacks[what] += 1
-    schema = op._schema
-    stand_in: dict[int, torch.Tensor] = {}  # id(cpu tensor) -> the spyre tensor it stands for
-    outs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def to_cpu(v: Any, write: bool, is_out: bool) -> Any:
-        if isinstance(v, torch.device) and v.type == st.NAME:
-            return torch.device("cpu")
-        if not st.is_spyre(v):
-            return v
-        if is_out:
-            c = torch.empty(0, dtype=v.dtype)
-            outs.append((v, c))
-        else:
-            st.host_reads(v)
-            c = st.alias(v)  # zero copy; in-place writes land in device memory
-        if write:
-            stand_in[id(c)] = v
-        return c
-
-    cargs = list(args)
-    ckwargs = dict(kwargs)
-    for i, a in enumerate(schema.arguments):
-        write = a.alias_info is not None and a.alias_info.is_write
-        if i < len(cargs) and not a.kwarg_only:
-            cargs[i] = tree_map(lambda v, w=write, o=a.is_out: to_cpu(v, w, o), cargs[i])
-        elif a.name in ckwargs:
-            ckwargs[a.name] = tree_map(
-                lambda v, w=write, o=a.is_out: to_cpu(v, w, o), ckwargs[a.name]
-            )
-    for k, v in list(ckwargs.items()):  # device=spyre of factories not in the schema walk
-        if isinstance(v, torch.device) and v.type == st.NAME:
-            ckwargs[k] = torch.device("cpu")
-    res = op(*cargs, **ckwargs)
-    for v, c in outs:
-        if tuple(v.shape) != tuple(c.shape):
-            v.resize_(c.shape)
-        st.alias(v).copy_(c)
-        st.host_writes(v)
-    for v in stand_in.values():
-        if all(v is not o for o, _ in outs):
-            st.host_writes(v)
-
-    def back(r: Any) -> Any:
-        if isinstance(r, torch.Tensor):
-            s = stand_in.get(id(r))
-            if s is not None:
-                return s
-            return st.new_from_cpu(r)
-        return r
-
-    return tree_map(back, res)
+    return run_on_host(op, args, kwargs)

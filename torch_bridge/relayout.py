@@ -67,8 +67,16 @@ def worth_compiling(key: Any) -> bool:
     return n >= COMPILE_AFTER
 
 
-def host_bytes(payload: np.ndarray) -> jax.Array:
-    """A storage's host bytes as a card array (over the same memory where XLA can alias it)."""
+#: host bytes up to this size go to the kernel as they are (the launch copies them in, a few
+#: microseconds); larger ones become a card array once, over the same memory where XLA can
+#: alias it (``jax.device_put`` costs tens of microseconds, repaid by the launches that reuse it)
+SMALL_HOST_BYTES = 1 << 16
+
+
+def host_bytes(payload: np.ndarray) -> jax.Array | np.ndarray:
+    """A storage's host bytes as a kernel argument (see :data:`SMALL_HOST_BYTES`)."""
+    if payload.nbytes <= SMALL_HOST_BYTES:
+        return payload
     return jax.device_put(payload, may_alias=True)
 
 
