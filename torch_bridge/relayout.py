@@ -12,6 +12,7 @@ load JAX): the :mod:`torch_bridge.storage` layer calls it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -93,7 +94,9 @@ def view_program(
     ``source``: ``("masked",)`` for a whole result already in ``layout`` (``dyn``: its own
     sizes; the rest is masked to ``fill``), ``("reshape", device shape)`` for a whole result
     whose leading dims are regrouped (same last dim, same sticks; ``dyn`` empty),
-    ``("bytes", torch dtype, length)`` for a storage's
+    ``("box", device shape)`` for a box of a pending result (``dyn``: its start and its sizes),
+    ``("flat", torch dtype, length)`` for a contiguous run of a storage's elements in
+    ``layout``'s shape (``dyn``: the offset), ``("bytes", torch dtype, length)`` for a storage's
     flat bytes (padded to ``length``), or ``("card", device shape, rank, order)`` for a
     pending result in its card layout, whose logical dims (the first ``rank`` entries of
     ``dyn``) may be smaller than the device shape (a result computed at a size bucket and not
@@ -106,6 +109,8 @@ def view_program(
     if kind == "reshape":  # the same sticks, the leading dims regrouped: nothing moves
         dshape = layout.device_shape
         return lambda src, dyn: src.reshape(dshape)
+    if kind in ("box", "flat"):
+        return _sliced(kind, source, layout, fill)
     src_rank = source[2] if kind == "card" else 0
     order = (source[3] or tuple(range(src_rank))) if kind == "card" else ()
     out_dt = np_dtype(layout.dtype)
@@ -136,6 +141,34 @@ def view_program(
         vals = jnp.where(mask, vals.astype(out_dt), jnp.asarray(fill, out_dt))
         out = jnp.full(layout.device_shape, fill, out_dt)
         return lax.dynamic_update_slice(out, vals, (0,) * len(shape))
+
+    return run
+
+
+def _sliced(
+    kind: str, source: tuple[Any, ...], layout: TensorLayout, fill: Any
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """A box of a pending result (``dyn``: its start, then its sizes; the positions past its
+    sizes take ``fill``) or a contiguous run of a storage's elements in ``layout``'s own shape
+    (``dyn``: the offset): one slice of the source, no per-element index."""
+    rank = len(layout.shape)
+    shape = layout.shape if rank else (1,)
+    out_dt = np_dtype(layout.dtype)
+    tail = [(0, 0)] * (len(shape) - 1) + [(0, layout.device_shape[-1] - shape[-1])]
+
+    def run(src: jax.Array, dyn: jax.Array) -> jax.Array:
+        if kind == "flat":
+            n = math.prod(shape)
+            flat = jnp.pad(_decode(src, source[1]), (0, n))  # a slice never runs off the end
+            vals = lax.dynamic_slice(flat, (dyn[0],), (n,)).reshape(shape).astype(out_dt)
+        else:
+            padded = jnp.pad(src, [(0, n) for n in shape])
+            vals = lax.dynamic_slice(padded, tuple(dyn[:rank]), shape).astype(out_dt)
+            mask = jnp.ones(shape, bool)
+            for k in range(rank):
+                mask = mask & (lax.broadcasted_iota(jnp.int32, shape, k) < dyn[rank + k])
+            vals = jnp.where(mask, vals, jnp.asarray(fill, out_dt))
+        return jnp.pad(vals, tail, constant_values=jnp.asarray(fill, out_dt))
 
     return run
 

@@ -481,6 +481,8 @@ def card_operand(
 #: view sources whose gather leaves the bytes where they are on the card (padding masked, or
 #: leading dims regrouped over the same sticks): the kernel reads the result's own region
 _SAME_BYTES = frozenset({"masked", "reshape"})
+#: view sources that are the storage's bytes (not a pending result)
+_BYTES = frozenset({"bytes", "flat"})
 
 
 def _view_key(
@@ -488,56 +490,58 @@ def _view_key(
 ) -> tuple[tuple[Any, ...], np.ndarray]:
     """The :func:`torch_bridge.relayout.view_program` key of ``t`` gathered into ``layout``
     (it holds no size of ``t``) and the sizes its program runs with."""
-    source, dims = _view_source(r, t, layout)
-    if source[0] in _SAME_BYTES:
-        sizes = np.array(dims, np.int32)
-    else:
-        sizes = np.array([*dims, *t.shape, *key_strides(t), t.storage_offset()], np.int32)
-    return (source, layout, fill), sizes
+    source, dyn = _view_source(r, t, layout)
+    return (source, layout, fill), np.array(dyn, np.int32)
 
 
 def _view_source(
     r: _Region, t: torch.Tensor, layout: TensorLayout
-) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+) -> tuple[tuple[Any, ...], list[int]]:
     """What a view ``t`` is gathered from on the card, without the host waiting, and the
-    source's own logical dims: the pending result when it holds ``t``'s dtype (``masked`` when
-    ``t`` is all of it and it is in ``layout`` already), else the storage's bytes padded to a
-    power of two (a size bucket of bytes)."""
+    sizes its program takes (see :func:`torch_bridge.relayout.view_program`): the pending
+    result when it holds ``t``'s dtype (``masked`` when ``t`` is all of it and it is in
+    ``layout`` already, ``reshape`` when only its leading dims are regrouped, ``box`` when
+    ``t`` is a box of it), else the storage's bytes padded to a power of two (a size bucket of
+    bytes; ``flat`` when ``t`` is a contiguous run of them)."""
     pend = r.pending
+    shape, off = tuple(t.shape), t.storage_offset()
     if pend is not None and pend[2] == t.dtype:
-        lay, stride = pend[1], pend[3]
+        lay, stride, dims = pend[1], pend[3], tuple(pend[5])
+        whole = stride is None and off == 0 and t.is_contiguous()
+        if whole and lay == layout and shape == dims:
+            # the whole result, at the bucket the kernel runs at: only its padding changes
+            return ("masked",), list(dims)
         if (
-            lay == layout
-            and stride is None
-            and t.storage_offset() == 0
-            and tuple(t.shape) == tuple(pend[5])
-            and t.is_contiguous()
-        ):  # the whole result, at the bucket the kernel runs at: only its padding changes
-            return ("masked",), tuple(pend[5])
-        if (
-            stride is None
+            whole
             and lay.dtype == layout.dtype
-            and tuple(pend[5]) == lay.shape
-            and tuple(t.shape) == layout.shape
-            and t.storage_offset() == 0
-            and t.is_contiguous()
+            and dims == lay.shape
+            and shape == layout.shape
             and lay.shape[-1:] == layout.shape[-1:]
             and lay.device_shape[-1:] == layout.device_shape[-1:]
             and math.prod(lay.device_shape) == math.prod(layout.device_shape)
         ):  # the whole result with its leading dims regrouped: the same sticks on the card
-            return ("reshape", lay.device_shape), ()
+            return ("reshape", lay.device_shape), []
+        if stride is None and shape and len(shape) == len(dims) == len(layout.shape):
+            cs = contig_strides(dims)
+            if all(n == 1 or s == c for n, s, c in zip(shape, t.stride(), cs, strict=True)):
+                # a box of the result (a slice along some dims): where it starts, its sizes
+                start = [off // c % max(d, 1) for c, d in zip(cs, dims, strict=True)]
+                return ("box", lay.device_shape), [*start, *shape]
         order = None
         if stride is not None:  # laid out by strides: its dims in the storage's order
             order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
-        return ("card", lay.device_shape, len(lay.shape), order), tuple(pend[5])
-    n = max(r.nbytes, 64)
-    return ("bytes", t.dtype, 1 << (n - 1).bit_length()), ()
+        dyn = [*dims, *shape, *key_strides(t), off]
+        return ("card", lay.device_shape, len(lay.shape), order), dyn
+    n = 1 << (max(r.nbytes, 64) - 1).bit_length()
+    if shape == layout.shape and t.is_contiguous():  # a run of elements: a slice of them
+        return ("flat", t.dtype, n), [off]
+    return ("bytes", t.dtype, n), [*shape, *key_strides(t), off]
 
 
 def _view_array(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
     """The card array :func:`_view_source` names, and whether it is the host's memory (the
     storage's bytes, as they are; a padded copy of them is not). Cached until written."""
-    if source[0] != "bytes":
+    if source[0] not in _BYTES:
         return r.pending[0], False
     key = ("bytes", source[2])
     hit = r.views.get(key)
