@@ -94,8 +94,6 @@ def test_attention_over_a_growing_kv_cache_matches_the_cpu():
 def test_an_op_whose_result_padding_would_change_runs_exact():
     for n in (9, 11, 13):
         x = torch.randn(3, n)
-        got = torch.cat([x.to("spyre"), x.to("spyre")], -1).cpu()  # padding would come between
-        torch.testing.assert_close(got, torch.cat([x, x], -1))
         got = x.to("spyre").mean(-1).cpu()  # padding would count
         torch.testing.assert_close(got, x.mean(-1), rtol=1e-5, atol=1e-5)
 

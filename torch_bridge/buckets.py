@@ -17,10 +17,11 @@ tensor's own size are neutral for the op, and the results are cropped back to th
   dimension are zero in both operands, so they add nothing;
 * reductions and softmax over a padded dimension: filled with the reduction's identity (0 for a
   sum, -inf for a max and a softmax, True for ``all``, ...);
+* ``isin`` over a padded first tensor (the tensor of values looked up is never padded);
 * ``mean`` over dimensions that are not padded, ``cumsum`` (a running sum: the padding comes
   after), ``tril``/``triu``, ``embedding`` (padded indices are 0: a row of the table, cropped).
-  A ``mean`` over a padded dimension (it counts its elements), ``cat`` and every other op run at
-  their exact sizes.
+  A ``mean`` over a padded dimension (it counts its elements) and every other op run at their
+  exact sizes; ``cat`` runs on a bucket as a data movement (:mod:`torch_bridge.card_cat`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bucket", "plan_padding", "Padding", "reset"]
+__all__ = ["bucket", "plan_padding", "dynamic_dims", "Padding", "reset"]
 
 aten = torch.ops.aten
 
@@ -66,6 +67,10 @@ _MATMUL = frozenset({"aten::mm", "aten::bmm"})
 _POSITIONAL = frozenset(
     {"aten::mean", "aten::cumsum", "aten::tril", "aten::triu", "aten::embedding"}
 )
+
+#: ops pointwise over their first tensor only (``isin``: each element looked up in the whole
+#: second; that one is never padded)
+_OF_FIRST = frozenset({"aten::isin"})
 
 _lock = threading.Lock()
 #: family -> per tensor leaf, per dim: the size first seen, or -1 once it has varied
@@ -116,7 +121,7 @@ def _family(op: Any, spec: Any, leaves: list) -> Any:
     return tuple(fam)
 
 
-def _dynamic_dims(op: Any, spec: Any, leaves: list) -> list[set[int]] | None:
+def dynamic_dims(op: Any, spec: Any, leaves: list) -> list[set[int]] | None:
     """Record the sizes of this call; each tensor leaf's dims seen to vary (None: none)."""
     fam = _family(op, spec, leaves)
     sizes = [list(x.shape) if isinstance(x, torch.Tensor) else [] for x in leaves]
@@ -172,10 +177,14 @@ def plan_padding(
     name = op._schema.name
     pointwise = torch.Tag.pointwise in op.tags
     identity = _IDENTITY.get(name)
-    if not (pointwise or identity or name in _MATMUL or name in _POSITIONAL):
+    if not (pointwise or identity or name in _MATMUL or name in _POSITIONAL or name in _OF_FIRST):
         return None
-    dyn = _dynamic_dims(op, spec, leaves)
+    dyn = dynamic_dims(op, spec, leaves)
     if dyn is None:
+        return None
+    if name in _OF_FIRST and (
+        not isinstance(leaves[0], torch.Tensor) or any(d for d in dyn[1:])
+    ):  # only the first tensor's positions are each their own
         return None
     if name == "aten::mean":  # it counts its elements: none of them may be padding
         t = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

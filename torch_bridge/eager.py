@@ -47,6 +47,9 @@ from lowering.from_fx import RULES, card_dtype, from_fx, supported
 
 from . import buckets
 from . import storage as st
+from .card_cat import reset_stats as reset_card_cats
+from .card_cat import stats as card_cat_stats
+from .card_cat import try_card_cat
 from .errors import SpyreFallbackWarning
 from .host_ops import run_on_host
 from .kernels import load
@@ -70,9 +73,10 @@ _fallbacks: collections.Counter[str] = collections.Counter()
 def stats() -> dict[str, int]:
     """compiles (card kernels built), launches, cache_hits, cpu_fallbacks, host_factories, and
     the launches on a size bucket's kernel with the bytes of padding their operands carried
-    (``padded_launches``, ``padding_bytes``: work the card does on padding)."""
+    (``padded_launches``, ``padding_bytes``: work the card does on padding), and the ``cat``
+    calls that ran as a bucket's data movement (``card_cats``, :mod:`torch_bridge.card_cat`)."""
     with _lock:
-        return dict(_counts, cache_entries=len(_plans))
+        return dict(_counts, cache_entries=len(_plans), **card_cat_stats())
 
 
 def fallback_counts() -> dict[str, int]:
@@ -86,6 +90,7 @@ def reset_stats() -> None:
         for k in _counts:
             _counts[k] = 0
         _fallbacks.clear()
+    reset_card_cats()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +504,7 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
 #: ops that read an operand given transposed (``x @ w.t()``, a Linear's weight) in place: the
 #: kernel takes the operand's own bytes and a transpose the lowering folds into the matmul
 #: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call
+_CAT = aten.cat.default
 _NT_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
 
 
@@ -647,6 +653,10 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
 
 
 def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
+    if op is _CAT:  # sizes that keep changing: a bucket's data movement, no kernel per size
+        res = try_card_cat(args, kwargs)
+        if res is not None:
+            return res
     fast = None if kwargs else _fast_key(op, args)
     if fast is not None:
         plan = _fast.get(fast[0])

@@ -25,7 +25,7 @@ from jax import lax
 from device_model.layout import TensorLayout, np_dtype
 from device_model.program import COMPILER_OPTIONS
 
-__all__ = ["host_bytes", "worth_compiling", "fused", "view_program", "gather_view"]
+__all__ = ["host_bytes", "worth_compiling", "fused", "view_program", "gather_view", "cat_program"]
 
 #: torch dtype -> (bytes per element, how its bytes become the card's values)
 _DECODE: dict[torch.dtype, tuple[int, str]] = {
@@ -215,5 +215,35 @@ def fused(
     def run(*args: Any) -> list[jax.Array]:
         ins = [a if p is None else p(*a) for p, a in zip(progs, args[:n], strict=True)]
         return kernel(*ins, *args[n:])
+
+    return jax.jit(run, compiler_options=COMPILER_OPTIONS)
+
+
+@functools.lru_cache(maxsize=256)
+def cat_program(
+    geometries: tuple[tuple[Any, ...] | None, ...], layout: TensorLayout, dim: int
+) -> Callable[..., jax.Array]:
+    """``torch.cat`` of spyre tensors along ``dim`` as one program that holds no size: each
+    input comes in ``layout`` (the result's, a size bucket's) at its own sizes, the positions
+    past them zero (given as it is, or as a view gathered first: its :func:`view_program` key
+    in ``geometries``), and is placed at its offset along ``dim`` (``offsets``, int32, an
+    argument). An input written over the positions past the one before it leaves the next
+    positions to the inputs after it: in order, the later ones overwrite the earlier one's
+    zeros."""
+    progs = [None if g is None else view_program(*g) for g in geometries]
+    dshape = layout.device_shape
+    width = dshape[dim]
+
+    def run(*args: Any) -> jax.Array:
+        *ins, offsets = args
+        grown = list(dshape)
+        grown[dim] += width  # room for the last input's zeros past the end
+        out = jnp.zeros(grown, np_dtype(layout.dtype))
+        for k, (p, a) in enumerate(zip(progs, ins, strict=True)):
+            v = a if p is None else p(*a)
+            start = [jnp.int32(0)] * len(dshape)
+            start[dim] = offsets[k]
+            out = lax.dynamic_update_slice(out, v, start)
+        return lax.slice_in_dim(out, 0, width, axis=dim)
 
     return jax.jit(run, compiler_options=COMPILER_OPTIONS)
