@@ -9,20 +9,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_eager_buckets import _compiles, _fresh  # noqa: F401  (_fresh: autouse fixture)
 
 import spyre_jax
-from torch_bridge import buckets, card_cat, eager, storage
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    buckets.reset()
-    yield
-    buckets.reset()
-
-
-def _compiles() -> int:
-    return eager.stats()["compiles"]
+from torch_bridge import card_cat, eager, storage
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
