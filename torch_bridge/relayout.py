@@ -96,7 +96,9 @@ def view_program(
     whose leading dims are regrouped (same last dim, same sticks; ``dyn`` empty),
     ``("box", device shape)`` for a box of a pending result (``dyn``: its start and its sizes),
     ``("flat", torch dtype, length)`` for a contiguous run of a storage's elements in
-    ``layout``'s shape (``dyn``: the offset), ``("bytes", torch dtype, length)`` for a storage's
+    ``layout``'s shape (``dyn``: the offset), ``("flat card", device shape)`` for any view of a
+    whole result with no padding (its elements in torch's order: ``dyn`` as for ``bytes``),
+    ``("bytes", torch dtype, length)`` for a storage's
     flat bytes (padded to ``length``), or ``("card", device shape, rank, order)`` for a
     pending result in its card layout, whose logical dims (the first ``rank`` entries of
     ``dyn``) may be smaller than the device shape (a result computed at a size bucket and not
@@ -128,6 +130,8 @@ def view_program(
         e = jnp.where(mask, e, 0)
         if kind == "bytes":
             vals = _decode(src, source[1])[e]
+        elif kind == "flat card":
+            vals = src.reshape(-1)[e]
         elif src_rank == 0:
             vals = jnp.broadcast_to(src[0], shape)
         else:

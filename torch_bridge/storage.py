@@ -527,6 +527,9 @@ def _view_source(
                 # a box of the result (a slice along some dims): where it starts, its sizes
                 start = [off // c % max(d, 1) for c, d in zip(cs, dims, strict=True)]
                 return ("box", lay.device_shape), [*start, *shape]
+        if stride is None and dims == lay.shape == lay.device_shape:
+            # a whole result with no padding: its elements in torch's order, indexed flat
+            return ("flat card", lay.device_shape), [*shape, *key_strides(t), off]
         order = None
         if stride is not None:  # laid out by strides: its dims in the storage's order
             order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
