@@ -162,3 +162,16 @@ def test_isin_over_growing_elements_runs_on_a_bucket():
     for m in (2, 3, 4):  # the values looked up varying: exact, still right
         vals = torch.arange(m)
         _same(torch.isin(ids.to("spyre"), vals.to("spyre")), torch.isin(ids, vals))
+
+
+def test_a_result_laid_out_by_strides_is_read_whole_without_a_gather():
+    """torch keeps a permuted input's strides in a pointwise result; the next kernel reading all
+    of it takes the card array as it is (only its padding masked)."""
+    x = torch.randn(6, 5, 40)
+    s = x.to("spyre")
+    for _ in range(2):
+        r = s.transpose(0, 2) * 2  # strides (1, 40, 200), pending
+        assert r.stride() == (x.transpose(0, 2) * 2).stride()
+        key, _ = storage._view_key(storage.region(r), r, storage.region(r).pending[1], 0)
+        assert key[0][0] == "masked"
+        _same((r + 1).cpu(), x.transpose(0, 2) * 2 + 1)

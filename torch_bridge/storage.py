@@ -508,8 +508,9 @@ def _view_source(
     if pend is not None and pend[2] == t.dtype:
         lay, stride, dims = pend[1], pend[3], tuple(pend[5])
         whole = stride is None and off == 0 and t.is_contiguous()
-        if whole and lay == layout and shape == dims:
-            # the whole result, at the bucket the kernel runs at: only its padding changes
+        if lay == layout and shape == dims and off == 0 and (whole or _same_strides(t, stride)):
+            # the whole result, at the bucket the kernel runs at: only its padding changes (the
+            # card array holds a result laid out by strides in its logical order too)
             return ("masked",), list(dims)
         if (
             whole
@@ -539,6 +540,13 @@ def _view_source(
     if shape == layout.shape and t.is_contiguous():  # a run of elements: a slice of them
         return ("flat", t.dtype, n), [off]
     return ("bytes", t.dtype, n), [*shape, *key_strides(t), off]
+
+
+def _same_strides(t: torch.Tensor, stride: tuple[int, ...] | None) -> bool:
+    """``t``'s strides are ``stride`` (dims of size 1 have none)."""
+    return stride is not None and key_strides(t) == tuple(
+        s if n != 1 else 0 for s, n in zip(stride, t.shape, strict=True)
+    )
 
 
 def _view_array(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
