@@ -527,7 +527,9 @@ def _view_source(
             if all(n == 1 or s == c for n, s, c in zip(shape, t.stride(), cs, strict=True)):
                 # a box of the result (a slice along some dims): where it starts, its sizes
                 start = [off // c % max(d, 1) for c, d in zip(cs, dims, strict=True)]
-                return ("box", lay.device_shape), [*start, *shape]
+                if all(a + n <= d for a, n, d in zip(start, shape, dims, strict=True)):
+                    return ("box", lay.device_shape), [*start, *shape]
+                # rows that run on into the next ones (an as_strided run): not a box
         if stride is None and dims == lay.shape == lay.device_shape:
             # a whole result with no padding: its elements in torch's order, indexed flat
             return ("flat card", lay.device_shape), [*shape, *key_strides(t), off]
