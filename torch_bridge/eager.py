@@ -504,7 +504,6 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
 #: ops that read an operand given transposed (``x @ w.t()``, a Linear's weight) in place: the
 #: kernel takes the operand's own bytes and a transpose the lowering folds into the matmul
 #: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call
-_CAT = aten.cat.default
 _NT_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
 
 
@@ -650,6 +649,10 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
         else:
             return None
     return tuple(key), leaves
+
+
+#: ``cat``, which runs on a size bucket as a data movement once its sizes vary (card_cat)
+_CAT = aten.cat.default
 
 
 def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
