@@ -203,6 +203,19 @@ def _jitted_view(key: tuple[Any, ...]) -> Callable[[jax.Array, jax.Array], jax.A
     return jax.jit(view_program(*key))
 
 
+def _gathers(
+    geometries: tuple[tuple[Any, ...] | None, ...],
+) -> Callable[[Any], list[jax.Array]]:
+    """Arguments -> operands, in a traced program: an argument whose geometry is None as it is,
+    another (``(source array, sizes)``) gathered by its :func:`view_program`."""
+    progs = [None if g is None else view_program(*g) for g in geometries]
+
+    def gather(args: Any) -> list[jax.Array]:
+        return [a if p is None else p(*a) for p, a in zip(progs, args, strict=True)]
+
+    return gather
+
+
 def fused(
     runner: Callable[..., list[jax.Array]],
     geometries: tuple[tuple[Any, ...] | None, ...],
@@ -212,13 +225,12 @@ def fused(
     it is) or the :func:`view_program` key (``(source, layout, fill)``) of the view that
     argument is, given as ``(source array, sizes)``; the arguments past them (the kernel's
     constants) are taken as they are."""
-    progs = [None if g is None else view_program(*g) for g in geometries]
-    n = len(progs)
+    gather = _gathers(geometries)
+    n = len(geometries)
     kernel = runner.__wrapped__  # the program itself: options go on the outer jit only
 
     def run(*args: Any) -> list[jax.Array]:
-        ins = [a if p is None else p(*a) for p, a in zip(progs, args[:n], strict=True)]
-        return kernel(*ins, *args[n:])
+        return kernel(*gather(args[:n]), *args[n:])
 
     return jax.jit(run, compiler_options=COMPILER_OPTIONS)
 
@@ -234,7 +246,7 @@ def cat_program(
     argument). An input written over the positions past the one before it leaves the next
     positions to the inputs after it: in order, the later ones overwrite the earlier one's
     zeros."""
-    progs = [None if g is None else view_program(*g) for g in geometries]
+    gather = _gathers(geometries)
     dshape = layout.device_shape
     width = dshape[dim]
 
@@ -243,8 +255,7 @@ def cat_program(
         grown = list(dshape)
         grown[dim] += width  # room for the last input's zeros past the end
         out = jnp.zeros(grown, np_dtype(layout.dtype))
-        for k, (p, a) in enumerate(zip(progs, ins, strict=True)):
-            v = a if p is None else p(*a)
+        for k, v in enumerate(gather(ins)):
             start = [jnp.int32(0)] * len(dshape)
             start[dim] = offsets[k]
             out = lax.dynamic_update_slice(out, v, start)

@@ -509,8 +509,8 @@ def _view_source(
         lay, stride, dims = pend[1], pend[3], tuple(pend[5])
         whole = stride is None and off == 0 and t.is_contiguous()
         if lay == layout and shape == dims and off == 0 and (whole or _same_strides(t, stride)):
-            # the whole result, at the bucket the kernel runs at: only its padding changes (the
-            # card array holds a result laid out by strides in its logical order too)
+            # the whole result at the bucket the kernel runs at, smaller than it (else it is
+            # read as it is, _card_view): only its padding changes
             return ("masked",), list(dims)
         if (
             whole
@@ -643,10 +643,10 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
             pend[1] == layout
             and t.storage_offset() == 0
             and pend[2] == t.dtype
-            and pend[3] is None
             and tuple(t.shape) == layout.shape
-            and t.is_contiguous()
-        ):  # the launch's result as it is: no wait, no copy
+            and ((pend[3] is None and t.is_contiguous()) or _same_strides(t, pend[3]))
+        ):  # the launch's result as it is (by strides too: the card array is in its logical
+            # order): no wait, no copy
             key = (0, layout)
             hit = r.views.get(key)
             if hit is not None and hit[0] == r.buf.version:
