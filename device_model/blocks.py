@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import xla_host  # noqa: F401  (first: the CPU client's dispatch)
 from .kernel import Operand, blocks_of, operand_grid
 
 __all__ = [

@@ -71,6 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import xla_host  # noqa: F401  (first: the CPU client's dispatch)
+
 __all__ = [
     "STORE_DTYPES",
     "dl16_eps",

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import xla_host  # noqa: F401  (first: the CPU client's dispatch)
 from .execute import COMPILER_OPTIONS, run_kernel, run_stage
 from .kernel import Kernel, Stage, TensorDecl
 from .layout import np_dtype

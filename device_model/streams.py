@@ -269,14 +269,17 @@ class Queues:
         if kind not in PIPELINE_OF:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
-            st = self.state(stream)
+            st = self.streams.get(stream)
+            if st is None or not st.alive:
+                st = self.state(stream)  # raises
             tok = st.token
             if waits:
                 waits = tuple(waits)
                 clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
                 start = max(tok.time, self.host_time, *(w.time for w in waits))
-            else:
-                clock = _merge(tok.clock, self.host_clock)
+            else:  # the common step: _merge's no-news case inlined (submit is hot)
+                hc = self.host_clock
+                clock = tok.clock if not hc or hc == tok.clock else _merge(tok.clock, hc)
                 start = max(tok.time, self.host_time)
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)

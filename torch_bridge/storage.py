@@ -147,8 +147,14 @@ def wait_all() -> None:
         r.settle()
 
 
+_device: list[torch.device] = []
+
+
 def device() -> torch.device:
-    return torch.device(NAME, 0)
+    """``spyre:0`` (made once: a storage is made with it for every result)."""
+    if not _device:
+        _device.append(torch.device(NAME, 0))
+    return _device[0]
 
 
 def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
@@ -229,11 +235,14 @@ def region(t: torch.Tensor | torch.UntypedStorage) -> _Region:
 
 
 def contig_strides(size: Sequence[int]) -> tuple[int, ...]:
-    st, acc = [], 1
-    for s in reversed(tuple(size)):
-        st.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(st))
+    n = len(size)
+    st, acc = [1] * n, 1
+    for i in range(n - 1, 0, -1):
+        s = int(size[i])
+        if s > 1:
+            acc *= s
+        st[i - 1] = acc
+    return tuple(st)
 
 
 def storage_nbytes(
@@ -739,8 +748,10 @@ def from_card(
     shape = lay.shape if shape is None else tuple(shape)
     dtype = dtype or _TORCH_OF_CARD[lay.dtype]
     data = buf.payload()
-    st_stride = stride if stride is not None else contig_strides(shape)
-    nbytes = storage_nbytes(shape, st_stride, dtype.itemsize)
+    if stride is None:  # contiguous (the common result): its bytes are its elements'
+        st_stride, nbytes = contig_strides(shape), math.prod(shape) * dtype.itemsize
+    else:
+        st_stride, nbytes = stride, storage_nbytes(shape, stride, dtype.itemsize)
     if isinstance(data, np.ndarray):
         payload, pending = _torch_bytes(data, lay, dtype, stride, shape), None
     else:
