@@ -24,11 +24,16 @@ SUPPORTED_DTYPES: tuple[str, ...] = tuple(DTYPES)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 
 
+_NP_DTYPES: dict[str, np.dtype] = {}
+
+
 def np_dtype(dtype: str) -> np.dtype:
     """The NumPy dtype for a device dtype name (bfloat16 via ml_dtypes, as JAX uses)."""
-    if dtype == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
+    found = _NP_DTYPES.get(dtype)
+    if found is None:  # made once per name (every launch asks)
+        found = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+        _NP_DTYPES[dtype] = found
+    return found
 
 
 def check_dtype(dtype: str, what: str = "tensor") -> str:

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from . import xla_host  # noqa: F401  (first: the CPU client's dispatch)
 from .layout import FLOAT_DTYPES, np_dtype
 
 __all__ = [

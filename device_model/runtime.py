@@ -243,11 +243,13 @@ class DeviceBuffer:
 
     def payload(self) -> Any:
         """The region's contents; RuntimeError once the buffer has been freed."""
-        if not self.alive:
-            raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
-        if self._base is not None:
-            return self._view
-        return self.rt.memory.load(self.addr)
+        base = self._base
+        if base is not None:
+            if base.alive:
+                return self._view
+        elif not self._freed:
+            return self.rt.memory.load(self.addr)
+        raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
 
     def store(self, payload: Any) -> None:
         if self._base is not None:
@@ -630,15 +632,15 @@ def _run_kernel(
         # the host may write the bytes of inputs that share its memory next: each such input's
         # storage records the launch (its writer waits for it), or where one keeps no record
         # the launch waits here (and then no record is needed)
-        shared = [b for b in bufs if b.shares_host]
-        lists = [b._base.readers if b._base is not None else None for b in shared]
-        if any(rd is None for rd in lists):
-            exe._block(results)
-        else:
-            for rd in lists:
-                if len(rd) >= _READERS_PRUNE:
-                    rd[:] = [r for r in rd if not r.is_ready()]
-                rd.extend(results)
+        lists = [b._base.readers if b._base is not None else None for b in bufs if b.shares_host]
+        if lists:
+            if None in lists:
+                exe._block(results)
+            else:
+                for rd in lists:
+                    if len(rd) >= _READERS_PRUNE:
+                        rd[:] = [r for r in rd if not r.is_ready()]
+                    rd.extend(results)
     except BaseException:
         for a in addrs:
             rt.memory.free(a)

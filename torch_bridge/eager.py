@@ -598,7 +598,7 @@ def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphM
 
 def _try_card(op: Any, args: tuple, kwargs: dict) -> Any:
     """The op's results as spyre tensors, computed on the card; None if it runs on the CPU."""
-    plan, leaves = _plan_for(op, args, kwargs)
+    plan, leaves = _cached_plan(op, args, kwargs)
     if plan.compiled is None:
         return None
     return _launch(plan, leaves)
@@ -651,6 +651,24 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     return tuple(key), leaves
 
 
+def _cached_plan(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
+    """:func:`_plan_for` through the fast key where the call has one (a card plan found by it
+    skips the general signature)."""
+    fast = None if kwargs else _fast_key(op, args)
+    if fast is not None:
+        plan = _fast.get(fast[0])
+        if plan is not None:
+            with _lock:
+                _counts["cache_hits"] += 1
+            return plan, fast[1]
+    plan, leaves = _plan_for(op, args, kwargs)
+    if plan.compiled is not None and fast is not None:
+        if len(_fast) >= FAST_PLANS:
+            _fast.clear()
+        _fast[fast[0]] = plan
+    return plan, leaves
+
+
 #: ``cat``, which runs on a size bucket as a data movement once its sizes vary (card_cat)
 _CAT = aten.cat.default
 
@@ -660,19 +678,8 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
         res = try_card_cat(args, kwargs)
         if res is not None:
             return res
-    fast = None if kwargs else _fast_key(op, args)
-    if fast is not None:
-        plan = _fast.get(fast[0])
-        if plan is not None:
-            with _lock:
-                _counts["cache_hits"] += 1
-            return _launch(plan, fast[1])
-    plan, leaves = _plan_for(op, args, kwargs)
+    plan, leaves = _cached_plan(op, args, kwargs)
     if plan.compiled is not None:
-        if fast is not None:
-            if len(_fast) >= FAST_PLANS:
-                _fast.clear()
-            _fast[fast[0]] = plan
         return _launch(plan, leaves)
     if plan.host:
         with _lock:

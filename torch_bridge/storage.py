@@ -38,6 +38,8 @@ from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.runtime import DeviceBuffer, Runtime, runtime
 from lowering.from_fx import card_dtype
 
+from .strides import contig_strides, dense_strides, key_strides, storage_nbytes
+
 __all__ = [
     "NAME",
     "is_spyre",
@@ -232,27 +234,6 @@ def region(t: torch.Tensor | torch.UntypedStorage) -> _Region:
             "copy it to the CPU first"
         )
     return r
-
-
-def contig_strides(size: Sequence[int]) -> tuple[int, ...]:
-    n = len(size)
-    st, acc = [1] * n, 1
-    for i in range(n - 1, 0, -1):
-        s = int(size[i])
-        if s > 1:
-            acc *= s
-        st[i - 1] = acc
-    return tuple(st)
-
-
-def storage_nbytes(
-    size: Sequence[int], stride: Sequence[int], itemsize: int, offset: int = 0
-) -> int:
-    if any(int(s) == 0 for s in size):
-        return offset * itemsize
-    return (
-        offset + 1 + sum((int(s) - 1) * int(st) for s, st in zip(size, stride, strict=True))
-    ) * itemsize
 
 
 def set_storage(
@@ -594,12 +575,6 @@ def _operand(r: _Region, t: torch.Tensor, layout: TensorLayout, data: Any) -> De
     return buf
 
 
-def key_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """A tensor's strides as a key of its geometry: a dimension of size 1 has none (``x[:, -1:]``
-    of any length is one geometry)."""
-    return tuple(s if n != 1 else 0 for s, n in zip(t.stride(), t.shape, strict=True))
-
-
 def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:
     """``t`` in ``layout`` as a card array gathered on the card (by the program
     :func:`card_operand` folds into a kernel, run alone) from its pending result or its
@@ -689,30 +664,6 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     return view
 
 
-def dense_strides(meta: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """``meta``'s strides when they are a permutation of a dense layout other than the
-    contiguous one, else None (contiguous)."""
-    if not isinstance(meta, torch.Tensor) or meta.dim() != len(shape):
-        return None
-    st = tuple(int(s) for s in meta.stride())
-    if st == contig_strides(shape) or not _dense_permutation(shape, st):
-        return None
-    return st
-
-
-def _dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """Whether ``stride`` lays ``shape`` out densely in some dimension order (no gaps, no
-    overlap), as torch's ``is_non_overlapping_and_dense``."""
-    acc = 1
-    for size, st in sorted(
-        ((s, t) for s, t in zip(shape, stride, strict=True) if s != 1), key=lambda p: p[1]
-    ):
-        if st != acc:
-            return False
-        acc *= size
-    return True
-
-
 _TORCH_OF_CARD = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -764,7 +715,7 @@ def from_card(
             and buf.alive
             and base != 0
             and base not in _regions
-            and nbytes <= rt.memory.size_of(base)
+            and (nbytes <= buf.nbytes or nbytes <= rt.memory.size_of(base))
         )
         if fits:  # the buffer's region becomes the storage
             st = _storage_at(buf, base, payload, pending)
