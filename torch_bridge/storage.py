@@ -244,9 +244,11 @@ def set_storage(
     stride: Sequence[int],
 ) -> torch.Tensor:
     """Point ``t`` at ``storage`` (the CPU ``set_`` kernel is device agnostic: metadata only)."""
-    return aten.set_.source_Storage_storage_offset.redispatch(
-        CPU_KEYS, t, storage, offset, list(size), list(stride)
-    )
+    return _SET.redispatch_boxed(CPU_KEYS, t, storage, offset, tuple(size), tuple(stride))
+
+
+#: the ``set_`` overload's dispatcher handle (every result tensor is made with it)
+_SET = aten.set_.source_Storage_storage_offset._handle
 
 
 def new_tensor(
