@@ -633,7 +633,7 @@ def _run_kernel(
         # storage records the launch (its writer waits for it), or where one keeps no record
         # the launch waits here (and then no record is needed)
         lists = [b._base.readers if b._base is not None else None for b in bufs if b.shares_host]
-        if lists:
+        if lists and not all(r.is_ready() for r in results):  # ran where called: nothing to wait
             if None in lists:
                 exe._block(results)
             else:

@@ -47,3 +47,29 @@ def _probe(env_extra: dict[str, str]) -> str:
 )
 def test_dispatch_mode(env: dict[str, str], want: str) -> None:
     assert _probe(env) == want
+
+
+def test_the_asynchronous_paths_still_hold():
+    # run where they are called, the card's results are ready when a launch returns, so the
+    # waits for kernels in flight (pending results, reads of host bytes) are never exercised
+    # in this process: run their tests again with JAX's asynchronous dispatch
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_CPU_ENABLE_ASYNC_DISPATCH="1")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            os.path.join(here, "test_eager_lazy.py"),
+            os.path.join(here, "test_streams.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(here),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
