@@ -633,7 +633,8 @@ def _run_kernel(
         # storage records the launch (its writer waits for it), or where one keeps no record
         # the launch waits here (and then no record is needed)
         lists = [b._base.readers if b._base is not None else None for b in bufs if b.shares_host]
-        if lists and not all(r.is_ready() for r in results):  # ran where called: nothing to wait
+        # (the outputs of one run are ready together: ready on return, it ran where called)
+        if lists and results and not results[0].is_ready():
             if None in lists:
                 exe._block(results)
             else:
