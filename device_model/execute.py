@@ -194,10 +194,9 @@ class _Buffers:
         """Write the first ``len(tile)`` stored rows of one slot."""
         dtype = self.data[name].dtype
         if isinstance(slot, int | np.integer):
-            old = self.read_rows(name, slot)
             tile = tile.astype(dtype)
-            if len(tile) < len(old):  # the rows past the tile keep their bytes
-                tile = jnp.concatenate([tile, old[len(tile) :]])
+            if len(tile) < self.data[name].shape[0]:  # the rows past the tile keep their bytes
+                tile = jnp.concatenate([tile, self.read_rows(name, slot)[len(tile) :]])
             self.slots[(name, int(slot))] = tile
             return
         arr = self._stacked(name)

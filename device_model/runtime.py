@@ -632,9 +632,10 @@ def _run_kernel(
         # the host may write the bytes of inputs that share its memory next: each such input's
         # storage records the launch (its writer waits for it), or where one keeps no record
         # the launch waits here (and then no record is needed)
-        lists = [b._base.readers if b._base is not None else None for b in bufs if b.shares_host]
         # (the outputs of one run are ready together: ready on return, it ran where called)
-        if lists and results and not results[0].is_ready():
+        if results and not results[0].is_ready():
+            shared = [b for b in bufs if b.shares_host]
+            lists = [b._base.readers if b._base is not None else None for b in shared]
             if None in lists:
                 exe._block(results)
             else:
