@@ -3,7 +3,8 @@
 Two figures, each measured side by side with eager CPU in the same run:
 
 * the host cost of one small eager op (``a + b`` of two 64x64 fp32 spyre tensors, warm): what the
-  Python thread spends per op (the card's result stays pending, the op does not wait for it),
+  Python thread spends per op, the card model's program included (it runs where it is called,
+  :mod:`device_model.xla_host`; the result stays a card array, never brought to the host),
   and per op when a run of them is also waited for (``torch.spyre.synchronize()``);
 * ``model.generate()`` on the device (``model.to("spyre")``, the default dynamic KV cache, greedy)
   for the 2-layer Llama of ``bench serve``: wall time cold (the first call: kernels compile) and
