@@ -71,7 +71,16 @@ def test_entry_point_and_import_torch_alone():
     assert out.stdout.strip() == "spyre:0 [0.0, 1.0, 2.0, 3.0]"
 
 
-@pytest.mark.parametrize("first", ["lowering.from_fx", "lowering.fx_tensor", "torch_bridge"])
+@pytest.mark.parametrize(
+    "first",
+    [
+        "lowering.from_fx",
+        "lowering.fx_tensor",
+        "torch_bridge",
+        "torch_bridge.storage",
+        "torch_bridge.strides",
+    ],
+)
 def test_device_loads_when_our_fx_importer_imports_torch_first(first):
     # regression: the first ``import torch`` of a process happening inside lowering's FX importer
     # loaded the spyre plugin, which stands on that importer, half-way through it (a

@@ -10,4 +10,9 @@ Stacked one way over ``lowering`` and ``device_model`` (never over ``spyre_jax``
 * :mod:`torch_bridge.backend`: ``torch.compile(..., backend="spyre")``.
 """
 
+# torch first, whole: ``import torch`` loads the device (the ``torch.backends`` entry point),
+# which stands on this package's modules; a submodule imported before torch would otherwise
+# start that load half-way through its own import
+import torch  # noqa: F401
+
 __all__: list[str] = []
