@@ -629,10 +629,10 @@ def _run_kernel(
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
         results = runner(*payloads)
-        # the host may write the bytes of inputs that share its memory next: each such input's
-        # storage records the launch (its writer waits for it), or where one keeps no record
-        # the launch waits here (and then no record is needed)
-        # (the outputs of one run are ready together: ready on return, it ran where called)
+        # the host may write the bytes of inputs that share its memory next: unless the run has
+        # finished (it ran where called; the outputs of one run are ready together), each such
+        # input's storage records the launch (its writer waits for it), or where one keeps no
+        # record the launch waits here (and then no record is needed)
         if results and not results[0].is_ready():
             shared = [b for b in bufs if b.shares_host]
             lists = [b._base.readers if b._base is not None else None for b in shared]

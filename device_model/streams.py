@@ -91,7 +91,10 @@ Clock = tuple[tuple[int, int], ...]  # sorted (stream id, steps seen) pairs
 
 def _merge(*clocks: Clock) -> Clock:
     first = clocks[0]
-    if all(c == first or not c for c in clocks):  # the common case: nothing new to learn
+    for c in clocks:
+        if c and c != first:
+            break
+    else:  # the common case (every step submits): nothing new to learn
         return first
     d: dict[int, int] = {}
     for c in clocks:
@@ -269,17 +272,14 @@ class Queues:
         if kind not in PIPELINE_OF:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
-            st = self.streams.get(stream)
-            if st is None or not st.alive:
-                st = self.state(stream)  # raises
+            st = self.state(stream)
             tok = st.token
             if waits:
                 waits = tuple(waits)
                 clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
                 start = max(tok.time, self.host_time, *(w.time for w in waits))
-            else:  # the common step: _merge's no-news case inlined (submit is hot)
-                hc = self.host_clock
-                clock = tok.clock if not hc or hc == tok.clock else _merge(tok.clock, hc)
+            else:
+                clock = _merge(tok.clock, self.host_clock)
                 start = max(tok.time, self.host_time)
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)

@@ -149,14 +149,10 @@ def wait_all() -> None:
         r.settle()
 
 
-_device: list[torch.device] = []
-
-
+@functools.cache
 def device() -> torch.device:
     """``spyre:0`` (made once: a storage is made with it for every result)."""
-    if not _device:
-        _device.append(torch.device(NAME, 0))
-    return _device[0]
+    return torch.device(NAME, 0)
 
 
 def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:

@@ -13,21 +13,6 @@ __all__ = ["contig_strides", "storage_nbytes", "key_strides", "dense_strides"]
 
 def contig_strides(size: Sequence[int]) -> tuple[int, ...]:
     """torch's strides of a contiguous tensor of ``size`` (a dim of size 0 or 1 counts as 1)."""
-    if type(size) is tuple:  # a result's shape: the same few come back every launch
-        found = _CONTIG.get(size)
-        if found is None:
-            if len(_CONTIG) >= 4096:
-                _CONTIG.clear()
-            found = _CONTIG[size] = _contig(size)
-        return found
-    return _contig(size)
-
-
-#: contiguous strides by shape (a bounded cache: cleared when full)
-_CONTIG: dict[tuple[int, ...], tuple[int, ...]] = {}
-
-
-def _contig(size: Sequence[int]) -> tuple[int, ...]:
     n = len(size)
     st, acc = [1] * n, 1
     for i in range(n - 1, 0, -1):
