@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["bucket", "plan_padding", "dynamic_dims", "Padding", "reset"]
+__all__ = ["bucket", "plan_padding", "dynamic_dims", "varied", "Padding", "reset"]
 
 aten = torch.ops.aten
 
@@ -125,6 +125,13 @@ def dynamic_dims(op: Any, spec: Any, leaves: list) -> list[set[int]] | None:
     """Record the sizes of this call; each tensor leaf's dims seen to vary (None: none)."""
     fam = _family(op, spec, leaves)
     sizes = [list(x.shape) if isinstance(x, torch.Tensor) else [] for x in leaves]
+    return varied(fam, sizes)
+
+
+def varied(fam: Any, sizes: list[list[int]]) -> list[set[int]] | None:
+    """:func:`dynamic_dims` for a call whose family key its caller made (``fam``, hashable, the
+    same for every call of the op that may share a bucket's program) and whose tensors have
+    ``sizes`` (one list per leaf, empty for a non-tensor)."""
     with _lock:
         seen = _seen.get(fam)
         if seen is None:

@@ -16,13 +16,14 @@ sizes, like any op), for inputs that are all spyre tensors of one dtype, none em
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_flatten
 
-from device_model.layout import layout_for
+from device_model.layout import TensorLayout, layout_for
 from device_model.runtime import DeviceBuffer, check_reads, device_copy, runtime
 from lowering.from_fx import card_dtype
 
@@ -49,36 +50,39 @@ def reset_stats() -> None:
 
 def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """``aten.cat(tensors, dim)`` on the card at its size bucket, or None (the ordinary path:
-    nothing varied yet, mixed dtypes or devices, an empty input)."""
+    nothing varied yet, mixed dtypes or devices, an empty input). It runs once per decode step
+    for each growing cache, so it keeps to plain loops (no pytree, no NumPy on sizes)."""
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if not isinstance(tensors, list | tuple) or len(tensors) < 2 or not isinstance(dim, int):
+    if not isinstance(tensors, list | tuple) or len(tensors) < 2 or type(dim) is not int:
         return None
     first = tensors[0]
-    if not all(
-        st.is_spyre(t) and t.dtype == first.dtype and t.dim() == first.dim() and t.numel()
-        for t in tensors
-    ):
+    if not st.is_spyre(first):
         return None
-    rank = first.dim()
+    dtype, rank = first.dtype, first.dim()
     if rank == 0 or not -rank <= dim < rank:
         return None
     dim %= rank
-    shape = list(first.shape)
-    shape[dim] = sum(t.shape[dim] for t in tensors)
-    if any(
-        tuple(t.shape[:dim]) + tuple(t.shape[dim + 1 :]) != tuple(shape[:dim] + shape[dim + 1 :])
-        for t in tensors
-    ):
-        return None  # torch's own error, on the ordinary path
-    leaves, spec = tree_flatten((tuple(args), kwargs))
-    dyn = buckets.dynamic_dims(aten.cat.default, spec, leaves)
+    sizes: list[list[int]] = []
+    for t in tensors:
+        if not st.is_spyre(t) or t.dtype != dtype or t.dim() != rank or not t.numel():
+            return None
+        sizes.append(list(t.shape))
+    rest = sizes[0][:dim] + sizes[0][dim + 1 :]
+    offsets, total = [], 0
+    for s in sizes:
+        if s[:dim] + s[dim + 1 :] != rest:
+            return None  # torch's own error, on the ordinary path
+        offsets.append(total)
+        total += s[dim]
+    dyn = buckets.varied((_FAMILY, len(tensors), dim, rank, dtype), sizes)
     if dyn is None:
         return None
-    varied = set().union(*dyn)
-    bshape = tuple(buckets.bucket(n) if d in varied else n for d, n in enumerate(shape))
+    vary = set().union(*dyn)
+    shape = (*rest[:dim], total, *rest[dim:])
+    bshape = tuple(buckets.bucket(n) if d in vary else n for d, n in enumerate(shape))
     rt = runtime()
-    layout = layout_for(bshape, card_dtype(first.dtype, "an input"), rt.card.stick_bytes)
+    layout = _layout(bshape, dtype, rt.card.stick_bytes)
     sources = [st.region(t).buf for t in tensors]
     check_reads("cat", sources)  # refused (RaceError) before anything changes
     operands, geometries = [], []
@@ -87,17 +91,25 @@ def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
             b, g = st.card_operand(t, layout, 0)
             operands.append(b)
             geometries.append(g)
-        offsets = np.cumsum([0] + [t.shape[dim] for t in tensors[:-1]]).astype(np.int32)
         program = st._relayout().cat_program(tuple(geometries), layout, dim)
-        out = program(*[b.payload() for b in operands], offsets)
+        out = program(*[b.payload() for b in operands], np.array(offsets, np.int32))
         if any(b.shares_host for b in operands):  # the host may write those bytes next
             out.block_until_ready()
         buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-cat", payload=out)
     finally:
         for b in operands:
             b.delete()
-    nbytes = int(np.prod(shape)) * first.element_size()
+    nbytes = math.prod(shape) * first.element_size()
     device_copy(f"cat {st.describe(first)} x{len(tensors)}", sources, [buf], nbytes)
     with _lock:
         _counts["card_cats"] += 1
-    return st.from_card(buf, first.dtype, None, tuple(shape))
+    return st.from_card(buf, dtype, None, shape)
+
+
+#: the family of every cat call in :mod:`torch_bridge.buckets` (with its count, dim, rank, dtype)
+_FAMILY = "aten::cat"
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(shape: tuple[int, ...], dtype: torch.dtype, stick_bytes: int) -> TensorLayout:
+    return layout_for(shape, card_dtype(dtype, "an input"), stick_bytes)

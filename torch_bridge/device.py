@@ -34,7 +34,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from device_model import runtime as card_runtime
 
-from . import eager
+from . import attention, eager
 from .storage import (
     CPU_KEYS,
     NAME,
@@ -393,6 +393,7 @@ def register() -> None:
             base, _, ov = name.partition(".")
             lib.impl(name, _rng_kernel(getattr(getattr(aten, base), ov or "default")), k)
         eager.register_kernels(lib)
+        attention.register(lib)
         fb = torch.library.Library("_", "IMPL")
         _libs.append(fb)
         fb.fallback(eager.fallback, k)

@@ -1,0 +1,104 @@
+"""``F.scaled_dot_product_attention`` on the spyre device (torch_bridge.attention): four launches
+for a decode step's attention (five with causal masking) instead of PyTorch's math path, the
+same results as eager CPU, and the math path wherever a mask, dropout or a gradient needs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import spyre_jax  # noqa: F401  (the device)
+from torch_bridge import attention, eager
+
+# fp32: the card accumulates in fp32 as the CPU does, in another order (a few ulps over the
+# key length); fp16: inputs, scores and probabilities rounded to fp16 (2^-11) where stored
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3)}
+
+
+def _qkv(b, hq, hk, lq, lk, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h, n: torch.randn(b, h, n, d, generator=g).to(dtype)  # noqa: E731
+    return mk(hq, lq), mk(hk, lk), mk(hk, lk)
+
+
+def _launches() -> int:
+    return eager.stats()["launches"]
+
+
+def _on_card(q, k, v, **kw):
+    with torch.no_grad():
+        out = F.scaled_dot_product_attention(q.to("spyre"), k.to("spyre"), v.to("spyre"), **kw)
+    return out.cpu()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    groups=st.sampled_from([1, 2, 4]),
+    hk=st.integers(1, 2),
+    lq=st.sampled_from([1, 3, 8]),
+    lk=st.integers(1, 40),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.5]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+)
+def test_attention_matches_eager_cpu(groups, hk, lq, lk, causal, scale, dtype):
+    q, k, v = _qkv(1, groups * hk, hk, lq, lk, 32, dtype, seed=lk)
+    kw = dict(is_causal=causal, scale=scale, enable_gqa=groups > 1)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw)
+    got = _on_card(q, k, v, **kw)
+    assert got.dtype == dtype and got.shape == want.shape
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
+
+
+def test_a_decode_step_is_four_launches_and_a_causal_prefill_five():
+    q, k, v = _qkv(1, 4, 2, 1, 9, 32, torch.float32)
+    _on_card(q, k, v, enable_gqa=True)  # compiles
+    before, fb = _launches(), eager.stats()["cpu_fallbacks"]
+    got = _on_card(q, k, v, enable_gqa=True)
+    assert _launches() - before == 4 and eager.stats()["cpu_fallbacks"] == fb
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    q, k, v = _qkv(1, 4, 2, 6, 6, 32, torch.float32)
+    _on_card(q, k, v, enable_gqa=True, is_causal=True)
+    before = _launches()
+    _on_card(q, k, v, enable_gqa=True, is_causal=True)
+    assert _launches() - before == 5  # the causal bias is kept on the device
+
+
+def test_a_mask_takes_the_math_path_and_a_fully_masked_row_gives_zeros():
+    q, k, v = _qkv(1, 2, 2, 3, 7, 32, torch.float32)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1] = False  # row 1 sees no key: the math path's safe softmax gives zeros there
+    before = _launches()
+    got = _on_card(q, k, v, attn_mask=mask.to("spyre"))
+    assert _launches() - before > 5  # PyTorch's math path, launch by launch
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, want)
+    assert not got[:, :, 1].any()
+    assert not attention.fast_path(q, k, v, attn_mask=mask)
+    assert not attention.fast_path(q, k, v, dropout_p=0.1)
+
+
+def test_inference_mode_and_inputs_that_need_gradients():
+    q, k, v = _qkv(1, 2, 2, 1, 5, 32, torch.float32)
+    want = F.scaled_dot_product_attention(q, k, v)
+    with torch.inference_mode():  # below autograd: the device key's kernel
+        got = F.scaled_dot_product_attention(q.to("spyre"), k.to("spyre"), v.to("spyre"))
+    torch.testing.assert_close(got.cpu(), want)
+    sq = q.to("spyre").requires_grad_()
+    assert not attention.fast_path(sq, k, v)  # the math path, which autograd can go through
+    out = F.scaled_dot_product_attention(sq, k.to("spyre"), v.to("spyre"))
+    assert out.requires_grad and out.grad_fn is not None
+    torch.testing.assert_close(out.detach().cpu(), want)
+
+
+def test_grouped_heads_need_enable_gqa_as_on_the_cpu():
+    q, k, v = _qkv(1, 4, 2, 1, 5, 32, torch.float32)
+    with pytest.raises(RuntimeError) as cpu_err:
+        F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(RuntimeError) as card_err:
+        _on_card(q, k, v)
+    assert str(card_err.value) == str(cpu_err.value)
