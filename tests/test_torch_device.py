@@ -269,6 +269,57 @@ def test_out_and_inplace_variants():
         xs[:1].add_(ys)
 
 
+def test_out_tensors_take_the_result_or_are_written():
+    x, y = _rand((4, 40), seed=1), _rand((4, 40), seed=2)
+    xs, ys = x.to("spyre"), y.to("spyre")
+    out = torch.empty(0, device="spyre")  # no bytes: takes the result's storage, no copy
+    assert torch.add(xs, ys, out=out) is out and out.shape == (4, 40)
+    _close(out, x + y)
+    ids, eos = torch.tensor([[3, 7, 2, 7]]), torch.tensor([7, 9])
+    hits = torch.empty(0, device="spyre", dtype=torch.bool)
+    torch.isin(ids.to("spyre"), eos.to("spyre"), out=hits)  # as generate()'s end check
+    assert torch.equal(hits.cpu(), torch.isin(ids, eos))
+    big = torch.zeros(2, 3, device="spyre")  # bytes of another shape: resized and written
+    torch.mul(xs, ys, out=big)
+    _close(big, x * y)
+    base = torch.zeros(6, 40, device="spyre")  # a view: written in place, its base sees it
+    torch.sub(xs, ys, out=base[1:5])
+    _close(base[1:5], x - y)
+    assert not base[0].cpu().any() and not base[5].cpu().any()
+    # as on the CPU: a float result into an int out= is refused (it was converted silently)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type Int"):
+        torch.add(xs, ys, out=torch.empty(0, device="spyre", dtype=torch.int32))
+    xi = torch.arange(4, device="spyre")
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type Long"):
+        xi.add_(1.5)  # in place too, and the tensor is left as it was
+    assert torch.equal(xi.cpu(), torch.arange(4))
+    wide = torch.empty(0, device="spyre", dtype=torch.float16)  # a narrower float: converted
+    torch.add(xs, ys, out=wide)
+    assert wide.dtype == torch.float16
+    _close(wide.float(), (x + y).half().float())
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(5,), (3, 9, 2), (4.0,), (0, 1, 0.25), (-3, 3), (10, 0, -3)],
+    ids=["n", "step", "float", "frac", "neg", "down"],
+)
+def test_arange_on_the_device(args):
+    before = dev.eager_stats()["host_factories"]
+    got = torch.arange(*args, device="spyre")
+    want = torch.arange(*args)
+    assert got.device.type == "spyre" and got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)
+    assert dev.eager_stats()["host_factories"] == before + 1  # made on the host, copied in
+    h = torch.arange(*args, device="spyre", dtype=torch.float16)
+    assert torch.equal(h.cpu(), torch.arange(*args, dtype=torch.float16))
+    o = torch.zeros(len(want) + 2, device="spyre", dtype=want.dtype)
+    torch.arange(*args, out=o[1:-1])  # into a view: its base sees it
+    assert torch.equal(o.cpu()[1:-1], want) and o.cpu()[0] == 0 and o.cpu()[-1] == 0
+    with pytest.raises(RuntimeError, match="step must be nonzero"):
+        torch.arange(0, 5, 0, device="spyre")
+
+
 # ---------------------------------------------------------------------------------------------
 # eager ops against CPU
 

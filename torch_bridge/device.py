@@ -35,6 +35,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 from device_model import runtime as card_runtime
 
 from . import attention, eager
+from .host_ops import write_out
 from .storage import (
     CPU_KEYS,
     NAME,
@@ -199,6 +200,14 @@ _RNG_OPS = (
     "cauchy_",
     "geometric_",
 )
+
+
+def _k_arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
+    # a factory (``arange(n, device="spyre")`` comes here with an empty ``out``): made on the
+    # host and copied in, as every factory; directly, not through the fallback's generic walk
+    res = write_out(out, torch.arange(start, end, step, dtype=out.dtype))
+    eager.count("host_factories")
+    return res
 
 
 def _rng_kernel(op: Any) -> Any:
@@ -387,6 +396,7 @@ def register() -> None:
         lib.impl("fill_.Scalar", _k_fill_scalar, k)
         lib.impl("fill_.Tensor", _k_fill_tensor, k)
         lib.impl("zero_", _k_zero, k)
+        lib.impl("arange.start_out", _k_arange_out, k)
         for name in _VIEW_OPS:
             lib.impl(name, _view_kernel(getattr(aten, name).default), k)
         for name in _RNG_OPS:

@@ -53,6 +53,7 @@ from .card_cat import try_card_cat
 from .errors import SpyreFallbackWarning
 from .host_ops import run_on_host
 from .kernels import load
+from .written import functional, functional_args, has_spyre_input, write_back, written_tensors
 
 __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
 
@@ -77,6 +78,13 @@ def stats() -> dict[str, int]:
     calls that ran as a bucket's data movement (``card_cats``, :mod:`torch_bridge.card_cat`)."""
     with _lock:
         return dict(_counts, cache_entries=len(_plans), **card_cat_stats())
+
+
+def count(name: str) -> None:
+    """Add one to a counter of :func:`stats` (``host_factories``: a factory made on the host by
+    a kernel of its own, e.g. ``arange``)."""
+    with _lock:
+        _counts[name] += 1
 
 
 def fallback_counts() -> dict[str, int]:
@@ -161,21 +169,21 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     if s.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns):
         return op.redispatch(st.CPU_KEYS, *args, **kwargs)
     st.check_same_device(tree_flatten((args, kwargs))[0])
-    written = _written(op, args, kwargs)
-    if not _has_spyre_input(op, args, kwargs):
+    written = written_tensors(op, args, kwargs)
+    if not has_spyre_input(op, args, kwargs):
         with _lock:
             _counts["host_factories"] += 1
         return _run_cpu(op, args, kwargs, reason=None)
     if not written:
         return _compute(op, args, kwargs)
-    func = _functional(op)
+    func = functional(op)
     if func is not None:
-        fargs, fkwargs = _functional_args(op, args, kwargs)
+        fargs, fkwargs = functional_args(op, args, kwargs)
         res = _try_card(func, fargs, fkwargs)
         if res is not None:
             outs = list(res) if isinstance(res, tuple | list) else [res]
             if len(outs) == len(written):
-                return _write_back(op, written, outs)
+                return write_back(op, written, outs)
         reason = _reason(func, fargs, fkwargs)
         if reason is None:  # nothing to compute (no elements)
             with _lock:
@@ -183,87 +191,6 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     else:
         reason = "no functional form"
     return _run_cpu(op, args, kwargs, reason=reason, name=func)
-
-
-def _written(op: Any, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, bool]]:
-    """The tensors ``op`` writes, as (tensor, is an out= argument), in schema order."""
-    out = []
-    for i, a in enumerate(op._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        if isinstance(v, torch.Tensor):
-            out.append((v, bool(a.is_out)))
-    return out
-
-
-def _has_spyre_input(op: Any, args: tuple, kwargs: dict) -> bool:
-    for i, a in enumerate(op._schema.arguments):
-        if a.is_out:
-            continue
-        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
-        if any(st.is_spyre(x) for x in tree_flatten(v)[0]):
-            return True
-    return False
-
-
-_functional_cache: dict[Any, Any] = {}
-
-
-def _functional(op: Any) -> Any:
-    """The functional overload of an in-place (``add_.Tensor`` -> ``add.Tensor``) or ``out=``
-    (``add.out`` -> ``add.Tensor``) op, or None."""
-    if op in _functional_cache:
-        return _functional_cache[op]
-    s = op._schema
-    name = s.name.split("::", 1)[1]
-    found = None
-    if any(a.is_out for a in s.arguments):
-        want = [(a.name, str(a.type)) for a in s.arguments if not a.is_out]
-        nouts = sum(1 for a in s.arguments if a.is_out)
-        packet = op.overloadpacket
-        for ov in packet.overloads():
-            cand = getattr(packet, ov)
-            cs = cand._schema
-            if any(a.alias_info is not None for a in cs.arguments) or len(cs.returns) != nouts:
-                continue
-            if [(a.name, str(a.type)) for a in cs.arguments] == want:
-                found = cand
-                break
-    elif name.endswith("_"):
-        packet = getattr(aten, name[:-1], None)
-        cand = getattr(packet, op._overloadname, None) if packet is not None else None
-        if cand is not None:
-            names = [a.name for a in cand._schema.arguments]
-            if names == [a.name for a in s.arguments] and not any(
-                a.alias_info is not None for a in cand._schema.arguments
-            ):
-                found = cand
-    _functional_cache[op] = found
-    return found
-
-
-def _functional_args(op: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The functional op's arguments: the in-place/out= op's, without the out= ones."""
-    outs = {a.name for a in op._schema.arguments if a.is_out}
-    return args, {k: v for k, v in kwargs.items() if k not in outs}
-
-
-def _write_back(op: Any, written: list, results: list) -> Any:
-    """Copy the card's results into the tensors the op writes; return what the op returns."""
-    for (dst, is_out), r in zip(written, results, strict=True):
-        if tuple(r.shape) != tuple(dst.shape):
-            if not is_out:
-                raise RuntimeError(
-                    f"output with shape {list(dst.shape)} doesn't match the broadcast shape "
-                    f"{list(r.shape)}"
-                )
-            dst.resize_(r.shape)
-        if not st.copy_on_card(dst, r):
-            st.alias(dst).copy_(st.alias(r))
-            st.device_step("copy", dst, [r])
-    ts = [d for d, _ in written]
-    return ts[0] if len(op._schema.returns) == 1 else tuple(ts)
 
 
 # ---------------------------------------------------------------------------------------------

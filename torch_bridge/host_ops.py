@@ -38,25 +38,25 @@ def run_on_host(op: Any, args: tuple, kwargs: dict) -> Any:
             stand_in[id(c)] = v
         return c
 
+    def each(v: Any, write: bool, is_out: bool) -> Any:
+        if isinstance(v, list | tuple | dict):
+            return tree_map(lambda x: to_cpu(x, write, is_out), v)
+        return to_cpu(v, write, is_out)
+
     cargs = list(args)
     ckwargs = dict(kwargs)
     for i, a in enumerate(schema.arguments):
         write = a.alias_info is not None and a.alias_info.is_write
         if i < len(cargs) and not a.kwarg_only:
-            cargs[i] = tree_map(lambda v, w=write, o=a.is_out: to_cpu(v, w, o), cargs[i])
+            cargs[i] = each(cargs[i], write, a.is_out)
         elif a.name in ckwargs:
-            ckwargs[a.name] = tree_map(
-                lambda v, w=write, o=a.is_out: to_cpu(v, w, o), ckwargs[a.name]
-            )
+            ckwargs[a.name] = each(ckwargs[a.name], write, a.is_out)
     for k, v in list(ckwargs.items()):  # device=spyre of factories not in the schema walk
         if isinstance(v, torch.device) and v.type == st.NAME:
             ckwargs[k] = torch.device("cpu")
     res = op(*cargs, **ckwargs)
     for v, c in outs:
-        if tuple(v.shape) != tuple(c.shape):
-            v.resize_(c.shape)
-        st.alias(v).copy_(c)
-        st.host_writes(v)
+        write_out(v, c)
     for v in stand_in.values():
         if all(v is not o for o, _ in outs):
             st.host_writes(v)
@@ -70,3 +70,17 @@ def run_on_host(op: Any, args: tuple, kwargs: dict) -> Any:
         return r
 
     return tree_map(back, res)
+
+
+def write_out(v: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """CPU result ``c`` written into spyre ``out=`` tensor ``v`` (resized as torch resizes an
+    ``out=`` tensor): a copy-in step. A ``v`` with no bytes yet (a factory's ``empty(0)``)
+    takes a new storage of ``c``'s bytes as its own, with no resize."""
+    if c.dtype == v.dtype and not v._is_view() and v.untyped_storage().nbytes() == 0:
+        n = st.new_from_cpu(c)
+        return st.set_storage(v, n.untyped_storage(), 0, n.shape, n.stride())
+    if tuple(v.shape) != tuple(c.shape):
+        v.resize_(c.shape)
+    st.alias(v).copy_(c)
+    st.host_writes(v)
+    return v
