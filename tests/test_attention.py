@@ -102,3 +102,13 @@ def test_grouped_heads_need_enable_gqa_as_on_the_cpu():
     with pytest.raises(RuntimeError) as card_err:
         _on_card(q, k, v)
     assert str(card_err.value) == str(cpu_err.value)
+
+
+def test_the_causal_bias_is_made_again_on_a_new_card():
+    # regression: the bias kept on the device outlived spyre_jax.set_card ("lives on a
+    # previous card")
+    q, k, v = _qkv(1, 2, 2, 5, 5, 32, torch.float32)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(_on_card(q, k, v, is_causal=True), want)
+    spyre_jax.set_card(spyre_jax.CardSpec())
+    torch.testing.assert_close(_on_card(q, k, v, is_causal=True), want)

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from device_model.runtime import runtime
+
 __all__ = ["register", "fast_path"]
 
 aten = torch.ops.aten
@@ -97,7 +99,7 @@ def _sdpa(
         return out.reshape(*batch, hq, lq, value.shape[-1])
 
 
-#: causal biases kept on the device, by (groups, query length, key length, dtype, device)
+#: causal biases kept on the device, by (groups, query and key length, dtype, device, card)
 _biases: dict[tuple, torch.Tensor] = {}
 _BIASES = 16
 
@@ -108,7 +110,7 @@ def _causal_bias(
     """``-inf`` where query ``i`` may not see key ``j`` (``j > i``, PyTorch's ``is_causal``:
     aligned at the top left), for the rows of ``groups`` query heads side by side. Every row
     sees key 0, so no row is fully masked. Kept on the device (a prefill's length repeats)."""
-    key = (groups, lq, lk, dtype, device)
+    key = (groups, lq, lk, dtype, device, runtime())  # a new card (set_card): made again
     bias = _biases.get(key)
     if bias is None:
         seen = torch.ones(lq, lk, dtype=torch.bool).tril()
