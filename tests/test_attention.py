@@ -112,3 +112,22 @@ def test_the_causal_bias_is_made_again_on_a_new_card():
     torch.testing.assert_close(_on_card(q, k, v, is_causal=True), want)
     spyre_jax.set_card(spyre_jax.CardSpec())
     torch.testing.assert_close(_on_card(q, k, v, is_causal=True), want)
+
+
+def test_a_trace_keeps_pytorchs_decomposition():
+    # the four-launch path is for eager tensors: fake tensors (torch.compile's trace) and
+    # dispatch modes get PyTorch's decomposition, and no bias made in a trace is kept
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _qkv(1, 2, 2, 4, 4, 32, torch.float32)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq = mode.from_tensor(q.to("spyre"))
+        assert not attention.fast_path(fq, fq, fq)
+        out = F.scaled_dot_product_attention(fq, fq, fq, is_causal=True)
+        assert out.shape == q.shape
+    assert not attention._biases or all(type(b) is torch.Tensor for b in attention._biases.values())
+    compiled = torch.compile(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), backend="spyre"
+    )
+    got = compiled(q.to("spyre"), k.to("spyre"), v.to("spyre"))
+    torch.testing.assert_close(got.cpu(), F.scaled_dot_product_attention(q, k, v, is_causal=True))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 from device_model.runtime import runtime
 
@@ -44,8 +45,12 @@ def fast_path(
     is_causal: bool = False,
     enable_gqa: bool = False,
 ) -> bool:
-    """Whether this attention runs as four launches (else PyTorch's math path)."""
+    """Whether this attention runs as four launches (else PyTorch's math path). Only for eager
+    tensors: a trace (``torch.compile``'s fake or functional tensors, a dispatch mode) keeps
+    PyTorch's decomposition, and the compiled graph is one kernel either way."""
     if attn_mask is not None or dropout_p != 0.0:
+        return False
+    if type(q) is not torch.Tensor or _current_mode() is not None:
         return False
     if q.dim() < 3 or q.dim() != k.dim() or k.dim() != v.dim():
         return False
