@@ -1,6 +1,7 @@
-"""``F.scaled_dot_product_attention`` on the spyre device (torch_bridge.attention): four launches
-for a decode step's attention (five with causal masking) instead of PyTorch's math path, the
-same results as eager CPU, and the math path wherever a mask, dropout or a gradient needs it."""
+"""``F.scaled_dot_product_attention`` on the spyre device (torch_bridge.attention): one launch
+(``spyre_jax::attention``, on a size bucket as the keys grow) instead of PyTorch's eight-launch
+math path, the same results as eager CPU, and the math path wherever a mask, dropout, a
+gradient or a trace needs it."""
 
 from __future__ import annotations
 
@@ -54,18 +55,25 @@ def test_attention_matches_eager_cpu(groups, hk, lq, lk, causal, scale, dtype):
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
 
 
-def test_a_decode_step_is_four_launches_and_a_causal_prefill_five():
+def test_attention_is_one_launch_and_one_kernel_per_bucket_as_the_keys_grow():
     q, k, v = _qkv(1, 4, 2, 1, 9, 32, torch.float32)
     _on_card(q, k, v, enable_gqa=True)  # compiles
     before, fb = _launches(), eager.stats()["cpu_fallbacks"]
     got = _on_card(q, k, v, enable_gqa=True)
-    assert _launches() - before == 4 and eager.stats()["cpu_fallbacks"] == fb
+    assert _launches() - before == 1 and eager.stats()["cpu_fallbacks"] == fb
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    compiles = eager.stats()["compiles"]
+    for lk in range(10, 40):  # a decode loop: the keys grow by one a step
+        q, k, v = _qkv(1, 4, 2, 1, lk, 32, torch.float32, seed=lk)
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.testing.assert_close(_on_card(q, k, v, enable_gqa=True), want)
+    assert eager.stats()["compiles"] - compiles <= 1  # bucket 64; padded keys masked by -inf
+    assert eager.stats()["padded_launches"] > 0
     q, k, v = _qkv(1, 4, 2, 6, 6, 32, torch.float32)
     _on_card(q, k, v, enable_gqa=True, is_causal=True)
     before = _launches()
     _on_card(q, k, v, enable_gqa=True, is_causal=True)
-    assert _launches() - before == 5  # the causal bias is kept on the device
+    assert _launches() - before == 1  # the causal bias is kept on the device
 
 
 def test_a_mask_takes_the_math_path_and_a_fully_masked_row_gives_zeros():
@@ -74,7 +82,7 @@ def test_a_mask_takes_the_math_path_and_a_fully_masked_row_gives_zeros():
     mask[1] = False  # row 1 sees no key: the math path's safe softmax gives zeros there
     before = _launches()
     got = _on_card(q, k, v, attn_mask=mask.to("spyre"))
-    assert _launches() - before > 5  # PyTorch's math path, launch by launch
+    assert _launches() - before > 3  # PyTorch's math path, launch by launch
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, want)
     assert not got[:, :, 1].any()

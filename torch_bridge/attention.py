@@ -1,4 +1,4 @@
-"""``F.scaled_dot_product_attention`` on spyre tensors as four card kernels instead of the eight
+"""``F.scaled_dot_product_attention`` on spyre tensors as one card kernel instead of the eight
 of PyTorch's math path.
 
 PyTorch picks an attention implementation per device through a C++ dispatch stub that a
@@ -6,29 +6,34 @@ Python device cannot fill, so on a PrivateUse1 device it always takes the math p
 and key each scaled, two batched matmuls, a softmax and the safe-softmax guard of fully masked
 rows (``isneginf``, ``all``, ``where``, run through their ``out=`` forms): eight card launches
 per attention. Here the spyre device registers its own ``aten::scaled_dot_product_attention``
-(for the autograd and the device key both), which for the common case launches four: the query
-scaled, ``q @ k^T``, the softmax and ``p @ v``. Grouped-query attention (fewer key/value heads
-than query heads) regroups the query's heads over each key head, a view, instead of repeating
-the keys and values. Each launch is an ordinary eager op, so keys whose length grows each decode
-step run on a size bucket's kernels (:mod:`torch_bridge.buckets`), the softmax's padding
-``-inf`` (a padded key gets no weight).
+(for the autograd and the device key both), which for the common case launches one op of ours,
+``spyre_jax::attention(q, k, v, bias, scale)``: ``softmax(q k^T * scale + bias) v``, an eager
+kernel compiled from its decomposition as one graph (both matmuls, the softmax between them).
+Grouped-query attention (fewer key/value heads than query heads) regroups the query's heads
+over each key head, a view, instead of repeating the keys and values. The additive bias is
+zeros (kept on the device per length) or, for causal masking, the causal triangle; it is also
+what lets the kernel run on a size bucket (:mod:`torch_bridge.buckets`) while the keys grow each
+decode step: its padding is ``-inf`` (:data:`torch_bridge.buckets.MASKED`), so a padded key
+gets no weight, and one kernel serves every length of a bucket.
 
-The four-launch path is taken without a mask or dropout (a decode step's attention in
-``generate()``), and when no input needs a gradient; causal masking (a prefill) adds a fifth,
-the add of a causal bias kept on the device. A mask can mask a whole row, where the math path's
-safe softmax gives zeros and a plain one NaN, so calls with a mask, and training, keep PyTorch's
-math path (PyTorch's composite kernel of
-``aten::scaled_dot_product_attention``: the same ops and gradients as before).
+The one-launch path is taken without a mask or dropout, for eager tensors whose inputs need no
+gradient. A mask can mask a whole row, where the math path's safe softmax gives zeros and a
+plain one NaN, so calls with a mask, training, and traces (``torch.compile``'s fake and
+functional tensors: the compiled graph is one kernel either way) keep PyTorch's composite
+kernel of ``aten::scaled_dot_product_attention``: the same ops and gradients as before.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 from device_model.runtime import runtime
+
+from . import buckets, eager
 
 __all__ = ["register", "fast_path"]
 
@@ -45,7 +50,7 @@ def fast_path(
     is_causal: bool = False,
     enable_gqa: bool = False,
 ) -> bool:
-    """Whether this attention runs as four launches (else PyTorch's math path). Only for eager
+    """Whether this attention runs as one launch (else PyTorch's math path). Only for eager
     tensors: a trace (``torch.compile``'s fake or functional tensors, a dispatch mode) keeps
     PyTorch's decomposition, and the compiled graph is one kernel either way."""
     if attn_mask is not None or dropout_p != 0.0:
@@ -77,7 +82,7 @@ def _sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``softmax(q k^T * scale) v`` in four launches where :func:`fast_path` allows, else
+    """``softmax(q k^T * scale) v`` in one launch where :func:`fast_path` allows, else
     PyTorch's math path."""
     if not fast_path(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         # PyTorch's own composite kernel (its mask conversion, then the math path)
@@ -97,11 +102,47 @@ def _sdpa(
     with torch._C._AutoDispatchBelowAutograd():
         # each key head serves hq // hk query heads: their rows side by side (a view)
         q = query.reshape(*batch, hk, (hq // hk) * lq, d)
-        scores = torch.matmul(q * s, key.transpose(-1, -2))
         if is_causal:
-            scores = scores + _causal_bias(hq // hk, lq, lk, scores.dtype, scores.device)
-        out = torch.matmul(torch.softmax(scores, dim=-1), value)
+            bias = _causal_bias(hq // hk, lq, lk, query.dtype, query.device)
+        else:
+            bias = _key_bias((hq // hk) * lq, lk, query.dtype, query.device)
+        out = ATTENTION(q, key, value, bias, s)
         return out.reshape(*batch, hq, lq, value.shape[-1])
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``spyre_jax::attention``: ``softmax(q k^T * scale + bias) v`` (its decomposition, and its
+    CPU kernel for a host fallback)."""
+    scores = torch.matmul(q * scale, k.transpose(-1, -2)) + bias
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _attention_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+#: key biases (zeros) kept on the device, by (rows, key length, dtype, device, card)
+_key_biases: dict[tuple, torch.Tensor] = {}
+_KEY_BIASES = 256
+
+
+def _key_bias(rows: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[rows, lk]`` zeros: no key masked. The bias is what a size bucket masks: padded past
+    ``lk`` with -inf (:data:`torch_bridge.buckets.MASKED`), a padded key gets no weight. One
+    row per query row, as the causal bias has: a bias of one row would never be padded with
+    the query's rows (a size first seen as 1 is a broadcast, never a varying size)."""
+    key = (rows, lk, dtype, device, runtime())
+    bias = _key_biases.get(key)
+    if bias is None:
+        bias = torch.zeros(rows, lk, dtype=dtype).to(device)
+        if len(_key_biases) >= _KEY_BIASES:
+            _key_biases.clear()
+        _key_biases[key] = bias
+    return bias
 
 
 #: causal biases kept on the device, by (groups, query and key length, dtype, device, card)
@@ -127,8 +168,25 @@ def _causal_bias(
     return bias
 
 
+_libs: list[torch.library.Library] = []
+#: ``spyre_jax::attention(q, k, v, bias, scale)``: one eager kernel (its decomposition compiled
+#: as one graph), set by :func:`register`
+ATTENTION: Any = None
+
+
 def register(lib: torch.library.Library) -> None:
     """The spyre kernel of ``scaled_dot_product_attention``, for the autograd key (where
-    PyTorch's own composite kernel runs) and the device key (under ``inference_mode``)."""
+    PyTorch's own composite kernel runs) and the device key (under ``inference_mode``); and
+    ``spyre_jax::attention``, the op it launches."""
+    global ATTENTION
     lib.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     lib.impl("scaled_dot_product_attention", _sdpa, "PrivateUse1")
+    own = torch.library.Library("spyre_jax", "DEF")
+    _libs.append(own)
+    own.define("attention(Tensor q, Tensor k, Tensor v, Tensor bias, float scale) -> Tensor")
+    own.impl("attention", _attention, "CPU")
+    own.impl("attention", _attention_fake, "Meta")
+    ATTENTION = torch.ops.spyre_jax.attention.default
+    own.impl("attention", eager._kernel_for(ATTENTION), "PrivateUse1")
+    eager.DECOMPOSITIONS[ATTENTION] = _attention
+    buckets.MASKED["spyre_jax::attention"] = 3

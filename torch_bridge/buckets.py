@@ -72,6 +72,11 @@ _POSITIONAL = frozenset(
 #: second; that one is never padded)
 _OF_FIRST = frozenset({"aten::isin"})
 
+#: ops whose padded positions a tensor argument masks: the op's name -> that argument's leaf
+#: index, filled with the lowest value (``spyre::attention``'s additive bias: a padded key
+#: scores -inf and gets no weight)
+MASKED: dict[str, int] = {}
+
 _lock = threading.Lock()
 #: family -> per tensor leaf, per dim: the size first seen, or -1 once it has varied
 _seen: dict[Any, list[list[int]]] = {}
@@ -184,7 +189,15 @@ def plan_padding(
     name = op._schema.name
     pointwise = torch.Tag.pointwise in op.tags
     identity = _IDENTITY.get(name)
-    if not (pointwise or identity or name in _MATMUL or name in _POSITIONAL or name in _OF_FIRST):
+    masked = MASKED.get(name)
+    if not (
+        pointwise
+        or identity
+        or masked is not None
+        or name in _MATMUL
+        or name in _POSITIONAL
+        or name in _OF_FIRST
+    ):
         return None
     dyn = dynamic_dims(op, spec, leaves)
     if dyn is None:
@@ -204,6 +217,8 @@ def plan_padding(
         x = leaves[i]
         shapes[i] = tuple(bucket(n) if d in dyn[i] else n for d, n in enumerate(x.shape))
         fills[i] = 0 if x.dtype != torch.bool else False
+    if masked is not None and isinstance(leaves[masked], torch.Tensor):
+        fills[masked] = _fill("lowest", leaves[masked].dtype)
     if identity is not None and not pointwise:
         if len(tensors) != 1:
             return None

@@ -504,6 +504,10 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     return compiled
 
 
+#: decompositions of our own ops (``spyre::attention``) beside core ATen's, for :func:`_decomposed`
+DECOMPOSITIONS: dict[Any, Any] = {}
+
+
 def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:
     idx = [i for i, *_ in inputs]
 
@@ -514,9 +518,8 @@ def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphM
         a, k = tree_unflatten(vals, spec)
         return op(*a, **k)
 
-    return make_fx(f, decomposition_table=core_aten_decompositions(), tracing_mode="real")(
-        *[orig[i] for i in idx]
-    )
+    table = {**core_aten_decompositions(), **DECOMPOSITIONS}
+    return make_fx(f, decomposition_table=table, tracing_mode="real")(*[orig[i] for i in idx])
 
 
 # ---------------------------------------------------------------------------------------------
