@@ -73,7 +73,7 @@ _POSITIONAL = frozenset(
 _OF_FIRST = frozenset({"aten::isin"})
 
 #: ops whose padded positions a tensor argument masks: the op's name -> that argument's leaf
-#: index, filled with the lowest value (``spyre::attention``'s additive bias: a padded key
+#: index, filled with the lowest value (``spyre_jax::attention``'s additive bias: a padded key
 #: scores -inf and gets no weight)
 MASKED: dict[str, int] = {}
 

@@ -504,7 +504,7 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     return compiled
 
 
-#: decompositions of our own ops (``spyre::attention``) beside core ATen's, for :func:`_decomposed`
+#: decompositions of our own ops (``spyre_jax::attention``) beside core ATen's (:func:`_decomposed`)
 DECOMPOSITIONS: dict[Any, Any] = {}
 
 
