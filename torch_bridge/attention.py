@@ -101,11 +101,9 @@ def _sdpa(
     s = scale if scale is not None else 1.0 / math.sqrt(d)
     with torch._C._AutoDispatchBelowAutograd():
         # each key head serves hq // hk query heads: their rows side by side (a view)
-        q = query.reshape(*batch, hk, (hq // hk) * lq, d)
-        if is_causal:
-            bias = _causal_bias(hq // hk, lq, lk, query.dtype, query.device)
-        else:
-            bias = _key_bias((hq // hk) * lq, lk, query.dtype, query.device)
+        g = hq // hk
+        q = query.reshape(*batch, hk, g * lq, d)
+        bias = _bias(g, lq, lk, is_causal, query.dtype, query.device)
         out = ATTENTION(q, key, value, bias, s)
         return out.reshape(*batch, hq, lq, value.shape[-1])
 
@@ -125,42 +123,27 @@ def _attention_fake(
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
-#: key biases (zeros) kept on the device, by (rows, key length, dtype, device, card)
-_key_biases: dict[tuple, torch.Tensor] = {}
-_KEY_BIASES = 256
-
-
-def _key_bias(rows: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[rows, lk]`` zeros: no key masked. The bias is what a size bucket masks: padded past
-    ``lk`` with -inf (:data:`torch_bridge.buckets.MASKED`), a padded key gets no weight. One
-    row per query row, as the causal bias has: a bias of one row would never be padded with
-    the query's rows (a size first seen as 1 is a broadcast, never a varying size)."""
-    key = (rows, lk, dtype, device, runtime())
-    bias = _key_biases.get(key)
-    if bias is None:
-        bias = torch.zeros(rows, lk, dtype=dtype).to(device)
-        if len(_key_biases) >= _KEY_BIASES:
-            _key_biases.clear()
-        _key_biases[key] = bias
-    return bias
-
-
-#: causal biases kept on the device, by (groups, query and key length, dtype, device, card)
+#: biases kept on the device, by (groups, query and key length, causal, dtype, device, card)
 _biases: dict[tuple, torch.Tensor] = {}
-_BIASES = 16
+_BIASES = 256
 
 
-def _causal_bias(
-    groups: int, lq: int, lk: int, dtype: torch.dtype, device: torch.device
+def _bias(
+    groups: int, lq: int, lk: int, causal: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """``-inf`` where query ``i`` may not see key ``j`` (``j > i``, PyTorch's ``is_causal``:
-    aligned at the top left), for the rows of ``groups`` query heads side by side. Every row
-    sees key 0, so no row is fully masked. Kept on the device (a prefill's length repeats)."""
-    key = (groups, lq, lk, dtype, device, runtime())  # a new card (set_card): made again
+    """The additive bias of ``groups`` query heads' rows side by side (``[groups * lq, lk]``,
+    one row per query row): zeros, or with ``causal`` ``-inf`` where query ``i`` may not see
+    key ``j`` (``j > i``, PyTorch's ``is_causal``: aligned at the top left; every row sees key
+    0, so no row is fully masked). It is also what a size bucket masks: padded past ``lk``
+    with -inf (:data:`torch_bridge.buckets.MASKED`), a padded key gets no weight; a row per
+    query row, since a bias of one row would never be padded with the query's rows (a size
+    first seen as 1 is a broadcast, never a varying size). Kept on the device per length."""
+    key = (groups, lq, lk, causal, dtype, device, runtime())  # a new card: made again
     bias = _biases.get(key)
     if bias is None:
-        seen = torch.ones(lq, lk, dtype=torch.bool).tril()
-        host = torch.zeros(lq, lk, dtype=dtype).masked_fill(~seen, -math.inf)
+        host = torch.zeros(lq, lk, dtype=dtype)
+        if causal:
+            host = host.masked_fill(~torch.ones(lq, lk, dtype=torch.bool).tril(), -math.inf)
         bias = host.repeat(groups, 1).to(device)
         if len(_biases) >= _BIASES:
             _biases.clear()

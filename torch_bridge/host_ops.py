@@ -76,9 +76,8 @@ def write_out(v: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """CPU result ``c`` written into spyre ``out=`` tensor ``v`` (resized as torch resizes an
     ``out=`` tensor): a copy-in step. A ``v`` with no bytes yet (a factory's ``empty(0)``)
     takes a new storage of ``c``'s bytes as its own, with no resize."""
-    if c.dtype == v.dtype and not v._is_view() and v.untyped_storage().nbytes() == 0:
-        n = st.new_from_cpu(c)
-        return st.set_storage(v, n.untyped_storage(), 0, n.shape, n.stride())
+    if st.takes_storage(v, c.dtype):
+        return st.adopt(v, st.new_from_cpu(c))
     if tuple(v.shape) != tuple(c.shape):
         v.resize_(c.shape)
     st.alias(v).copy_(c)

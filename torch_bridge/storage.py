@@ -347,6 +347,18 @@ def copy_on_card(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return True
 
 
+def takes_storage(out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``out`` (an ``out=`` tensor) has no bytes yet, is nobody's view and is of ``dtype``: it
+    can take a result's storage as its own (:func:`adopt`) where torch would resize it to fresh
+    memory and copy the result in."""
+    return out.dtype == dtype and not out._is_view() and out.untyped_storage().nbytes() == 0
+
+
+def adopt(out: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``out`` made ``r``'s view of ``r``'s storage (:func:`takes_storage` said it may)."""
+    return set_storage(out, r.untyped_storage(), r.storage_offset(), r.shape, r.stride())
+
+
 def new_from_cpu(c: torch.Tensor) -> torch.Tensor:
     """A CPU tensor's values as a new (contiguous) spyre tensor; a copy-in step."""
     out = new_tensor(c.shape, c.dtype)

@@ -90,8 +90,8 @@ def write_back(op: Any, written: list, results: list) -> Any:
                 f"result type {_name(r.dtype)} can't be cast to the desired output type "
                 f"{_name(dst.dtype)}"
             )
-        if is_out and _takes_storage(dst, r):
-            st.set_storage(dst, r.untyped_storage(), r.storage_offset(), r.shape, r.stride())
+        if is_out and st.takes_storage(dst, r.dtype):
+            st.adopt(dst, r)
             continue
         if tuple(r.shape) != tuple(dst.shape):
             if not is_out:
@@ -107,28 +107,7 @@ def write_back(op: Any, written: list, results: list) -> Any:
     return ts[0] if len(op._schema.returns) == 1 else tuple(ts)
 
 
-def _takes_storage(dst: torch.Tensor, r: torch.Tensor) -> bool:
-    """``dst`` (an ``out=`` tensor) has no bytes of its own and is nobody's view: it can take
-    the result's storage instead of a copy of it."""
-    return (
-        dst.dtype == r.dtype
-        and not dst._is_view()
-        and dst.untyped_storage().nbytes() == 0
-        and st.is_spyre(r)
-    )
-
-
 def _name(dtype: torch.dtype) -> str:
-    """A dtype as torch's messages name it (``Float``, ``Half``, ``Int``, ``Long``, ``Bool``)."""
-    return {
-        torch.float32: "Float",
-        torch.float16: "Half",
-        torch.bfloat16: "BFloat16",
-        torch.float64: "Double",
-        torch.int64: "Long",
-        torch.int32: "Int",
-        torch.int16: "Short",
-        torch.int8: "Char",
-        torch.uint8: "Byte",
-        torch.bool: "Bool",
-    }.get(dtype, str(dtype).removeprefix("torch."))
+    """A dtype as torch's messages name it (``Float``, ``Half``, ``Long``, ``Bool``, ...): the
+    scalar type of its tensor type name (``torch.FloatTensor``)."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
