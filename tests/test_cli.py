@@ -40,7 +40,9 @@ def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
 
 
 def test_bench_launch_and_softmax_json(capsys):
-    res = bench.bench_launch(calls=50, reps=1)
+    # enough calls, best of three, that the comparison below holds on a busy machine (one rep of
+    # 50 calls once measured the launch alone at 37 us where it is usually 21)
+    res = bench.bench_launch(calls=400, reps=3)
     assert set(res) == {
         "launch_us",
         "jax_dispatch_us",
