@@ -289,6 +289,7 @@ def _matmul(
     slot: Any,
     k_valid: Any = None,
     body: ops.MatmulBody | None = None,
+    prologue: tuple[list[jax.Array], list[str], str, bool] | None = None,
 ) -> jax.Array:
     """The PE step of every core: fp32 products ``[cores, 1, tm, tn]`` of its lhs and rhs tiles.
 
@@ -297,13 +298,23 @@ def _matmul(
     loaded) compute on uninitialized scratchpad, which is NaN; their results are never stored.
     ``k_valid``: only the K block's first ``k_valid`` positions count (the last block of a K the
     block size does not divide). ``body.rhs_t``: the rhs tiles are ``[tn, tk]`` (contracted
-    along their last axis, no transposed copy).
+    along their last axis, no transposed copy). ``prologue``: the body's prologue runs on each
+    stored lhs row first, with (every core's tiles of its other inputs, their dtypes, the lhs's
+    dtype, DL16 rounding); a row takes the tiles of the first core that reads it (the cores
+    sharing an lhs block share its step's blocks of the prologue's inputs).
     """
     c = bufs.ncores
     rt = body is not None and body.rhs_t
     pl, pr = bufs.plans[lhs_op.sp], bufs.plans[rhs_op.sp]
     lhs = bufs.read_rows(lhs_op.sp, slot)  # [rl, 1, tm, tkp]
     rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn] ([rr, 1, tn, tkr] with rhs_t)
+    if prologue is not None:
+        tiles, dts, lhs_dt, dl16 = prologue
+        first = np.zeros(len(lhs), np.int64)  # each stored row's first reader (0 if none)
+        for q in range(c - 1, -1, -1):
+            first[pl.rows[q]] = q
+        tiles = [take(x, first) for x in tiles]
+        lhs = matmul_ops.run_prologue(jnp, body, lhs, tiles, dts, lhs_dt, dl16)
     tm = lhs.shape[2]
     if rt:
         k, tn = body.tk(rhs.shape), rhs.shape[2]
@@ -474,7 +485,16 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         k_valid = None
         if body.k_logical % tk:
             k_valid = body.k_logical - kpos * tk
-        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid, body)
+        pro = None
+        if body.prologue is not None:  # each core's tiles of the prologue's other inputs
+            ops_ = stage.inputs[len(stage.inputs) - body.prologue_inputs :]
+            pro = (
+                [bufs.read(op.sp, cx.slot(op.sp, t)) for op in ops_],
+                [cx.decls[op.tensor].layout.dtype for op in ops_],
+                cx.decls[lhs_op.tensor].layout.dtype,
+                cx.dl16,
+            )
+        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid, body, pro)
         if first is True:
             acc = prod
         else:
@@ -514,7 +534,7 @@ def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
             r = matmul_ops.mask_n(jnp, r, col0, params.n_logical)
         r = ops.fit(jnp, r, out.block)
         if params.epilogue is not None:
-            extras = stage.inputs[2:]
+            extras = stage.inputs[2 : len(stage.inputs) - params.prologue_inputs]
             tiles = [bufs.read(op.sp, cx.slot(op.sp, t)) for op in extras]
             dts = [cx.decls[op.tensor].layout.dtype for op in extras]
             space = params.epilogue.space

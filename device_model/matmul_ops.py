@@ -1,7 +1,8 @@
 """The PE side of the card's compute: a matmul step on scratchpad tiles, the masks of K and N
-blocks that reach past the tensor, and a matmul's epilogue (an SFU map on the rounded product
-on its way to the store). The bodies they run are :mod:`device_model.ops`'s ``MatmulBody`` and
-``MapBody``; ``xp`` is NumPy (the reference interpreter) or ``jax.numpy`` (the vectorized card).
+blocks that reach past the tensor, a matmul's epilogue (an SFU map on the rounded product
+on its way to the store) and its prologue (an SFU map on each lhs tile on its way to the PE).
+The bodies they run are :mod:`device_model.ops`'s ``MatmulBody`` and ``MapBody``; ``xp`` is
+NumPy (the reference interpreter) or ``jax.numpy`` (the vectorized card).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 
 from .ops import MatmulBody, fit, narrow, run_map
 
-__all__ = ["mask_k", "mask_n", "run_matmul_step", "run_epilogue"]
+__all__ = ["mask_k", "mask_n", "run_matmul_step", "run_epilogue", "run_prologue"]
 
 
 def mask_k(xp: Any, lhs: Any, rhs: Any, valid: Any, rhs_t: bool = False) -> tuple[Any, Any]:
@@ -102,3 +103,28 @@ def run_epilogue(
     dts.insert(body.acc_slot, body.out_dtype)
     r = run_map(xp, ep, tiles, dts, sb, prod.shape[0])
     return fit(xp, narrow(xp, r, ep.out_dtype, dl16), out_block)
+
+
+def run_prologue(
+    xp: Any,
+    body: MatmulBody,
+    lhs: Any,
+    extras: list[Any],
+    extra_dtypes: list[str],
+    lhs_dtype: str,
+    dl16: bool = False,
+) -> Any:
+    """A matmul's prologue on lhs tiles ``[R, *lhs_block]`` (``lhs_dtype``) and the tiles of its
+    other inputs for the same blocks: the tiles the PE multiplies, ``[R, *lhs_block]`` in the
+    prologue's dtype, rounded as a store of the unfused map rounds them. Only the block's part
+    inside the logical space is computed; the rest (stick padding) is zero."""
+    pro = body.prologue
+    assert pro is not None
+    block = tuple(lhs.shape[1:])
+    sb = tuple(min(b, s) for b, s in zip(block, pro.space, strict=True))
+    tiles = list(extras)
+    tiles.insert(body.lhs_slot, lhs)
+    dts = list(extra_dtypes)
+    dts.insert(body.lhs_slot, lhs_dtype)
+    r = run_map(xp, pro, tiles, dts, sb, lhs.shape[0])
+    return fit(xp, narrow(xp, r, pro.out_dtype, dl16), block)

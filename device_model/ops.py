@@ -132,7 +132,15 @@ class MatmulBody:
     (a bias, an activation, a residual add, a convert), over the output block's space
     ``[B, M, N]``. Its input ``acc_slot`` is the product (``out_dtype``); the others are the
     stage's inputs after lhs and rhs, in order, each loaded on the last K step of its block. The
-    stored dtype is then the epilogue's. The results are those of the unfused matmul and map."""
+    stored dtype is then the epilogue's. The results are those of the unfused matmul and map.
+
+    ``prologue``: an elementwise map the SFUs run on each lhs tile on its way to the PE (the
+    per-element part of a norm whose row statistic an earlier stage stored), over the lhs's
+    space ``[B, M, K]``. Its input ``lhs_slot`` is the lhs tile; the others are the stage's
+    last inputs, in order, each loaded with the lhs tile of its step. The PE then multiplies
+    the prologue's result, rounded to its dtype as the unfused map's store rounds it: the
+    results are those of the unfused map and matmul. ``prologue_sfu``: its SFU element-ops
+    over its whole space (one pass; the timing model's per-tile cost)."""
 
     k_logical: int
     out_dtype: str
@@ -140,6 +148,14 @@ class MatmulBody:
     n_logical: int = 0
     epilogue: MapBody | None = None
     acc_slot: int = 0
+    prologue: MapBody | None = None
+    lhs_slot: int = 0
+    prologue_sfu: int = 0
+
+    @property
+    def prologue_inputs(self) -> int:
+        """How many of the stage's inputs (its last ones) are the prologue's, the lhs aside."""
+        return len(self.prologue.views) - 1 if self.prologue is not None else 0
 
     @property
     def stored_dtype(self) -> str:
@@ -152,8 +168,12 @@ class MatmulBody:
         ep = ""
         if self.epilogue is not None:
             ep = f"; epilogue (product = in{self.acc_slot}): {self.epilogue}"
+        pro = ""
+        if self.prologue is not None:
+            pro = f"lhs = prologue (lhs = in{self.lhs_slot}): {self.prologue}; "
         return (
-            f"acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); last: acc -> {self.out_dtype}" + ep
+            f"{pro}acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); "
+            f"last: acc -> {self.out_dtype}" + ep
         )
 
     def tk(self, rhs_block: tuple[int, ...]) -> int:

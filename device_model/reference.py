@@ -233,6 +233,18 @@ def _compute(
     elif stage.kind == "matmul":
         body = params
         lhs, rhs = (tile(op) for op in stage.inputs[:2])  # [1, 1, tm, tkp], [1, 1, tk, tn]
+        npro = body.prologue_inputs
+        if body.prologue is not None:  # the lhs tile through the SFUs on its way to the PE
+            pro_ops = stage.inputs[len(stage.inputs) - npro :]
+            lhs = matmul_ops.run_prologue(
+                np,
+                body,
+                lhs,
+                [tile(op) for op in pro_ops],
+                [decls[op.tensor].layout.dtype for op in pro_ops],
+                decls[stage.inputs[0].tensor].layout.dtype,
+                dl16,
+            )
         tk = body.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
         k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
         acc = sp.read("acc", 0)[None]
@@ -249,7 +261,7 @@ def _compute(
         if body.epilogue is not None:
             if not stage.last[t]:
                 return  # the epilogue's operands arrive with the block's last K step
-            extras = stage.inputs[2:]
+            extras = stage.inputs[2 : len(stage.inputs) - npro]
             tiles = [tile(op) for op in extras]
             dts = [decls[op.tensor].layout.dtype for op in extras]
             r = matmul_ops.run_epilogue(

@@ -9,7 +9,9 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
   ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
   ``sfu_elems_per_cycle`` x corelets. A matmul's epilogue (an elementwise map fused into
-  its store) adds its SFU time to the last K step of each output block.
+  its store) adds its SFU time to the last K step of each output block; its prologue (a norm's
+  per-element part fused into its lhs loads) adds the SFU time of the step's lhs tile to every
+  step (the tile passes the SFUs before the PE: counted in series, not overlapped).
 
 Double buffering overlaps step t's compute with step t+1's loads and the stores in flight:
 ``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + D_t)/bw)``, where ``D_t`` is the store
@@ -153,12 +155,21 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         batched = s.grid[0] > 1  # [B, M, K] x [B, K, N] with B > 1: a batched matmul
         rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
         c_step = 2 * tm * tn * tkp / rate
+        sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
+        ep_ops = s.sfu_elem_ops
+        if params.prologue is not None:
+            # the prologue: the SFUs on the step's lhs tile before the PE (each core its own;
+            # the stage's SFU count holds one pass over the lhs per N block)
+            pro = params.prologue
+            ep_ops -= params.prologue_sfu * s.grid[2]
+            elems = math.prod(min(b, e) for b, e in zip(lhs.block, pro.space, strict=True))
+            c_step += params.prologue_sfu / max(1, math.prod(pro.space)) * elems / sfu_rate
         if params.epilogue is not None:
             # the epilogue: the SFUs on each output block after its last K step
             space = params.epilogue.space
             elems = math.prod(min(b, e) for b, e in zip(s.output.block, space, strict=True))
-            per_core = s.sfu_elem_ops / max(1, math.prod(params.epilogue.space)) * elems
-            ep_s = per_core / (card.sfu_elems_per_cycle * card.corelets_per_core) / card.clock_hz
+            per_core = ep_ops / max(1, math.prod(params.epilogue.space)) * elems
+            ep_s = per_core / sfu_rate
     elif kind == "map":
         body, space_block = params[0], params[1]
         elems = math.prod(space_block)

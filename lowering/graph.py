@@ -12,6 +12,8 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight);
   after fusion, ``epilogue`` (a MapBody over ``[B, M, N]``, elementwise) applied to the product
   on its way out, the product its input ``acc_slot`` and the node's inputs past the rhs the rest,
+  and ``prologue`` (a MapBody over ``[B, M, K]``, elementwise) applied to the lhs on its way in,
+  the lhs its input ``lhs_slot`` and the node's last inputs the rest (after the epilogue's),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
 
@@ -201,19 +203,36 @@ def _r_matmul(n: Node) -> list:
         f"matmul shapes {a.shape} x {b.shape} ({form})",
     )
     shape = (a.shape[0], a.shape[1], b.shape[nb])
+    pro: MapBody | None = n.p("prologue", None)
+    npro = 0
+    if pro is not None:
+        # the prologue: an elementwise map over the lhs's shape; its input lhs_slot is the lhs
+        # (read one-to-one), the others are the node's last inputs
+        npro = len(pro.views) - 1
+        lslot = n.p("lhs_slot", 0)
+        _need(len(n.inputs) - 2 >= npro, "matmul: fewer inputs than the prologue reads")
+        _need(0 <= lslot <= npro, f"matmul: prologue lhs_slot {lslot} out of range")
+        _need(pro.space == a.shape, f"matmul: prologue space {pro.space} is not the lhs's")
+        _need(not pro.reduce and not pro.program_reduce_axes(), "matmul: the prologue reduces")
+        _need(pro.views[lslot] == InputView.identity(3), "matmul: the prologue reads the lhs 1:1")
+        ins = list(n.inputs[len(n.inputs) - npro :])
+        ins.insert(lslot, a)
+        lhs = Var(a.shape, pro.out_dtype, -1)  # what the PE multiplies (no id drawn)
+        _r_map(Node("map", tuple(ins), (lhs,), (("body", pro),), n.source))
     ep: MapBody | None = n.p("epilogue", None)
     if ep is None:
-        _need(len(n.inputs) == 2, "matmul: inputs past lhs and rhs need an epilogue")
+        _need(len(n.inputs) == 2 + npro, "matmul: inputs past lhs and rhs need an epilogue")
         return [(shape, n.p("dtype"))]
     # the epilogue: an elementwise map over the product's shape; its input acc_slot is the
-    # product (read one-to-one), the others are the node's inputs past lhs and rhs
+    # product (read one-to-one), the others are the node's inputs past lhs and rhs (and
+    # before the prologue's)
     slot = n.p("acc_slot", 0)
-    _need(len(ep.views) == len(n.inputs) - 1, "matmul: one epilogue view per input past rhs")
+    _need(len(ep.views) == len(n.inputs) - 1 - npro, "matmul: one epilogue view per input past rhs")
     _need(0 <= slot < len(ep.views), f"matmul: epilogue acc_slot {slot} out of range")
     _need(ep.space == shape, f"matmul: epilogue space {ep.space} is not the product's {shape}")
     _need(not ep.reduce and not ep.program_reduce_axes(), "matmul: the epilogue reduces")
     _need(ep.views[slot] == InputView.identity(3), "matmul: the epilogue reads the product 1:1")
-    extras = list(n.inputs[2:])
+    extras = list(n.inputs[2 : len(n.inputs) - npro])
     extras.insert(slot, Var(shape, n.p("dtype"), -1))  # the product (no id drawn)
     _r_map(Node("map", tuple(extras), n.outputs, (("body", ep),), n.source))
     return [(shape, ep.out_dtype)]

@@ -317,10 +317,12 @@ def unfuse_epilogue(n: Node) -> list[Node]:
     slot = n.p("acc_slot", 0)
     ps = params(**{k: v for k, v in n.params if k not in ("epilogue", "acc_slot")})
     a, b = n.inputs[:2]
+    pro: MapBody | None = n.p("prologue")
+    cut = len(n.inputs) - (len(pro.views) - 1 if pro is not None else 0)  # a prologue's stay
     prod = Var(n.out.shape, n.p("dtype"))
-    extras = list(n.inputs[2:])
+    extras = list(n.inputs[2:cut])
     extras.insert(slot, prod)
     return [
-        Node("matmul", (a, b), (prod,), ps, n.source),
+        Node("matmul", (a, b, *n.inputs[cut:]), (prod,), ps, n.source),
         Node("map", tuple(extras), n.outputs, params(body=ep), n.source),
     ]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
+from device_model.timing import kernel_cost
 
 from .graph import Graph, check_graph
 from .matmul_passes import (
@@ -25,6 +26,7 @@ from .matmul_passes import (
     swap_matmul,
 )
 from .passes import dce, fuse_maps, to_maps
+from .prologue import fuse_prologue
 from .schedule import map_fits, schedule
 
 __all__ = ["compile_graph", "graph_passes"]
@@ -44,8 +46,13 @@ def _dump_handler() -> None:
 def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], ...]:
     """The graph passes in order, each bound to ``card`` where it looks at device layouts.
     Fusion asks the tiler whether each map it merges still fits ``card``'s scratchpad (a
-    row-resident softmax needs its whole rows there)."""
+    row-resident softmax needs its whole rows there); a norm's fusion into the matmuls after
+    it asks the scheduler and the timing model whether it saves time."""
     fits = functools.partial(map_fits, card=card)
+
+    def time_of(g: Graph) -> float:
+        return float(kernel_cost(schedule(g, card), card)["sim_time_us"])
+
     return (
         ("nt_matmul", nt_matmul),
         ("swap_matmul", swap_matmul),
@@ -54,6 +61,7 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
         ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),
         ("sink_and_fuse", functools.partial(sink_and_fuse, fits=fits, card=card)),
         ("fuse_epilogue", fuse_epilogue),
+        ("fuse_prologue", functools.partial(fuse_prologue, card=card, time_of=time_of)),
         ("dce", dce),
     )
 

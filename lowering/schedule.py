@@ -55,12 +55,12 @@ from .errors import TilingError
 from .graph import Graph, Node, Var
 from .matmul_passes import unfuse_epilogue
 from .passes import is_free_reshape
+from .prologue import unfuse_prologue
 from .tile_map import _map_general
 from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
 from .tiling import (
     _REDUCTIONS,
     _STEP_OVERHEAD_S,
-    Epilogue,
     _cands,
     _choose,
     _Ctx,
@@ -68,7 +68,9 @@ from .tiling import (
     _divisors,
     _map_work,
     _tables,
+    epilogue_blocks,
     matmul_stage,
+    prologue_blocks,
 )
 
 log = logging.getLogger("lowering")
@@ -391,6 +393,12 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         tm_c, tn_c, tk_c = [known[0]], [(known[1], known[2])], [known[3]]
     cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
     ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
+    pro_body: MapBody | None = n.p("prologue")
+    # a prologue's SFU time per lhs element (its tiles pass the SFUs before the PE)
+    pro_s = 0.0
+    if pro_body is not None:
+        sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
+        pro_s = _map_work(pro_body, card)[0] / max(1, math.prod(pro_body.space)) / sfu_rate
     for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
@@ -399,16 +407,18 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         tkp, tkr = (Kp, Kr) if tk == K else (tk, tk)
         rblk = (1, tn, tkr) if rhs_t else (1, tk, tn)
         if (tm, tno) not in ep_items:  # an epilogue's operands, in blocks of the output's
-            ep_items[tm, tno] = Epilogue(ctx, n, tm, tno).plan_items()
+            ep_items[tm, tno] = epilogue_blocks(ctx, n, tm, tno).plan_items()
+        pro_items = prologue_blocks(ctx, n, tm, None if tk == K else tk).plan_items()
+        pro_bytes = sum(math.prod(b) * np_dtype(dt).itemsize for b, dt in pro_items)
         plan = (
-            ctx.plan_bytes([((1, tm, tkp), la.dtype), (rblk, lb.dtype)], slots)
+            ctx.plan_bytes([((1, tm, tkp), la.dtype), (rblk, lb.dtype)] + pro_items, slots)
             + ctx.plan_bytes([((1, tm, tno), lo.dtype)] + ep_items[tm, tno], slots)
             + ctx.plan_bytes([((1, tm, tn), "float32")], 1)
         )
         if plan > ctx.cap:
             continue
         per_step_tiles = min(ntiles, ctx.ncores)
-        comp = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core
+        comp = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core + tm * tkp * pro_s
         # the tiles of a step: N fastest (one lhs block shared, multicast) or, when M splits,
         # M fastest (one rhs block shared: the rhs is read once, the lhs once per round)
         for m_inner in (False, True) if gm > 1 else (False,):
@@ -417,7 +427,9 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
             other = min(per_step_tiles, max(1, -(-per_step_tiles // ga)))
             uniq_a, uniq_b = (shared, other) if m_inner else (other, shared)
             bw = card.memory_bw_one_way
-            load = (uniq_a * tm * tkp * la.itemsize + uniq_b * tkr * tn * lb.itemsize) / bw
+            load = (
+                uniq_a * (tm * tkp * la.itemsize + pro_bytes) + uniq_b * tkr * tn * lb.itemsize
+            ) / bw
             # a round's stores drain over the next round's K steps; the last round's at the end
             store = per_step_tiles * tm * tno * lo.itemsize / bw
             rounds = steps // gk
@@ -643,6 +655,10 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
         value = reduce_identity(kind, np_dtype(compute_dtype(n.out.dtype)))
         return _fill_stages(ctx, n.out, value.item(), n.source)
     if n.op == "matmul" and n.inputs[0].shape[2] == 0:
+        if n.p("prologue") is not None:  # an empty lhs: nothing for the prologue to do
+            for m in unfuse_prologue(n):
+                _schedule_node(ctx, m, ctx.card)
+            return []
         if n.p("epilogue") is not None:  # a product of zeros, then the epilogue's map
             for m in unfuse_epilogue(n):
                 _schedule_node(ctx, m, ctx.card)
@@ -671,6 +687,11 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> list[Stage]:
     try:
         return [_matmul_stage_whole(ctx, n)]
     except TilingError as err:
+        if n.p("prologue") is not None:
+            # the fused stage does not fit: the prologue's map makes the lhs, then the matmul
+            for m in unfuse_prologue(n):
+                _schedule_node(ctx, m, ctx.card)
+            return []
         if n.p("epilogue") is not None:
             # the fused stage does not fit: the matmul and its epilogue's map, one by one
             for m in unfuse_epilogue(n):

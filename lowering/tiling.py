@@ -395,33 +395,63 @@ def _window(
     return tuple(blk), tuple(gd), tuple(org), tuple(stp), local
 
 
-class Epilogue:
-    """A matmul node's epilogue in blocks: for output blocks ``[1, tm, tno]``, its operands
-    (the node's inputs past the rhs, read in windows of their views), their layouts, and the
-    epilogue body with each view made local to its block."""
+class FusedMap:
+    """A map fused into a matmul stage, in blocks: its operands besides the matmul's own tile
+    (read in windows of their views), their layouts, and its body with each view made local to
+    its block. :func:`epilogue_blocks`: on the output blocks; :func:`prologue_blocks`: on the
+    lhs blocks."""
 
-    def __init__(self, ctx: _Ctx, n: Node, tm: int, tno: int):
-        ep: MapBody | None = n.p("epilogue")
+    def __init__(
+        self,
+        ctx: _Ctx,
+        body: MapBody | None,
+        slot: int,
+        inputs: tuple[Var, ...],
+        bl: dict[int, int | None],
+        prefix: str,
+        grid_axes: tuple[int, ...],
+    ):
+        """``body`` reads the matmul's tile as its input ``slot`` and ``inputs`` as the others,
+        in blocks ``bl`` of its space dims; space dim g is the stage grid's axis
+        ``grid_axes[g]``."""
         self.operands: list[Operand] = []
         self.layouts: list[TensorLayout] = []
         self.body: MapBody | None = None
-        if ep is None:
+        if body is None:
             return
-        slot = n.p("acc_slot", 0)
-        bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
-        views = list(ep.views)
-        for i, v in enumerate(n.inputs[2:]):
+        views = list(body.views)
+        for i, v in enumerate(inputs):
             j = i if i < slot else i + 1
             lay = ctx.layout(v)
-            blk, gd, org, stp, local = _window(lay, ep.views[j], ep.space, bl)
-            self.operands.append(Operand(ctx.name(v), blk, gd, f"e{i}", org, stp))
+            blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
+            gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
+            self.operands.append(Operand(ctx.name(v), blk, gd, f"{prefix}{i}", org, stp))
             self.layouts.append(lay)
             views[j] = local
-        self.body = MapBody(ep.space, tuple(views), ep.program, "", (), ep.out_dtype)
+        self.body = MapBody(body.space, tuple(views), body.program, "", (), body.out_dtype)
 
     def plan_items(self) -> list[tuple[tuple[int, ...], str]]:
         """The scratchpad blocks of its operands (one buffer each)."""
         return [(op.block, lay.dtype) for op, lay in zip(self.operands, self.layouts, strict=True)]
+
+
+def epilogue_blocks(ctx: _Ctx, n: Node, tm: int, tno: int) -> FusedMap:
+    """A matmul node's epilogue for output blocks ``[1, tm, tno]``: its operands are the node's
+    inputs past the rhs (a prologue's come after them)."""
+    ep: MapBody | None = n.p("epilogue")
+    extras = n.inputs[2 : 1 + len(ep.views)] if ep is not None else ()
+    bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
+    return FusedMap(ctx, ep, n.p("acc_slot", 0), extras, bl, "e", (0, 1, 2))
+
+
+def prologue_blocks(ctx: _Ctx, n: Node, tm: int, tk: int | None) -> FusedMap:
+    """A matmul node's prologue for lhs blocks ``[1, tm, tk]`` (``tk`` None: the whole K, one
+    block): its operands are the node's last inputs, a block of each loaded with the lhs's on
+    every step; the lhs's K is the grid's axis 3."""
+    pro: MapBody | None = n.p("prologue")
+    extras = n.inputs[len(n.inputs) - len(pro.views) + 1 :] if pro is not None else ()
+    bl: dict[int, int | None] = {0: 1, 1: tm, 2: tk}
+    return FusedMap(ctx, pro, n.p("lhs_slot", 0), extras, bl, "p", (0, 1, 3))
 
 
 def matmul_stage(
@@ -444,7 +474,8 @@ def matmul_stage(
     N = n.out.shape[2]
     # an NT rhs in N blocks that do not divide N: the last block's rows past N load as NaN
     n_mask = N if rhs_t and N % rhs.block[1] else 0
-    ep = Epilogue(ctx, n, out.block[1], out.block[2])
+    ep = epilogue_blocks(ctx, n, out.block[1], out.block[2])
+    pro = prologue_blocks(ctx, n, lhs.block[1], lhs.block[2] if lhs.grid_dims[2] >= 0 else None)
     scratch = ctx.sp_plan(
         [
             ("lhs", lhs.block, la.dtype, slots),
@@ -454,28 +485,44 @@ def matmul_stage(
         ]
         + [
             (op.sp, op.block, lay.dtype, slots)
-            for op, lay in zip(ep.operands, ep.layouts, strict=True)
+            for op, lay in zip(ep.operands + pro.operands, ep.layouts + pro.layouts, strict=True)
         ]
     )
     tabs = _tables(
         grid,
-        [lhs, rhs, *ep.operands, out],
-        [la, lb, *ep.layouts, lo],
+        [lhs, rhs, *ep.operands, *pro.operands, out],
+        [la, lb, *ep.layouts, *pro.layouts, lo],
         ctx.ncores,
         reduce_axis=3,
         tile_order=tile_order,
         last_only=frozenset(range(2, 2 + len(ep.operands))),
     )
-    sfu = flops = 0
+    sfu = flops = pro_sfu = 0
     if ep.body is not None:
         sfu, flops = _map_work(ep.body, ctx.card)
-    body = MatmulBody(K, n.p("dtype"), rhs_t, n_mask, ep.body, n.p("acc_slot", 0))
+    if pro.body is not None:
+        # the SFUs run it once over the lhs per N block (each block's K loop loads the lhs);
+        # its flops count once, as the unfused map's did
+        pro_sfu, pro_flops = _map_work(pro.body, ctx.card)
+        sfu += pro_sfu * grid[2]
+        flops += pro_flops
+    body = MatmulBody(
+        K,
+        n.p("dtype"),
+        rhs_t,
+        n_mask,
+        ep.body,
+        n.p("acc_slot", 0),
+        pro.body,
+        n.p("lhs_slot", 0),
+        pro_sfu,
+    )
     return Stage(
         f"s{len(ctx.stages)}",
         "matmul",
         grid,
         3,
-        (lhs, rhs, *ep.operands),
+        (lhs, rhs, *ep.operands, *pro.operands),
         out,
         scratch,
         (("PE", "matmul", body),),
