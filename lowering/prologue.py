@@ -1,25 +1,28 @@
 """Norm + matmul fusion: the per-element part of a norm rides the loads of the matmul after it.
 
-A norm (layernorm's one-statistic form, RMSNorm) is a map that reduces each row in its program
-(``rsum`` over the last axis) and then scales every element by a function of that sum. The
-matmul after it reads the norm's rows as its lhs, in blocks of K: its K loop cuts the rows the
-norm needs whole. :func:`fuse_prologue` splits the norm at its row statistic:
+A norm (RMSNorm, layernorm) is a map that reduces each row in its program (``rsum`` over the
+last axis) and then scales every element by functions of those sums. The matmul after it reads
+the norm's rows as its lhs, in blocks of K: its K loop cuts the rows the norm needs whole.
+:func:`fuse_prologue` splits the norm at its row statistics:
 
-* a **stats** map computes the statistic (the norm's program up to it, on whole rows) and
-  stores one fp32 value per row, ``[B, M]``, instead of the normalized ``[B, M, K]`` tensor;
+* a **stats** map per statistic computes it (the norm's program up to it, on whole rows) and
+  stores one fp32 value per row, ``[B, M]``, instead of the normalized ``[B, M, K]`` tensor
+  (RMSNorm has one, ``rsqrt(mean(x²) + eps)``; layernorm two, the mean and the scale);
 * every matmul that reads the norm takes the rest as its ``prologue``: on each K step the SFUs
   run it on the lhs tile (the norm's input) with the row statistics and the other inputs'
   blocks (the norm's weight), round it to the norm's dtype as the unfused map's store rounds
-  it, and the PE multiplies that. The results are the unfused ones, bit for bit: the statistic
+  it, and the PE multiplies that. The results are the unfused ones, bit for bit: a statistic
   is stored in fp32 (the precision it is computed in) and the rest runs as it did.
 
 The normalized tensor never goes to device memory and back: its store and every matmul's load
-of it become one load of the norm's input (the matmul loads it instead) and a store and loads
-of one value per row. A norm read by anything but matmuls' lhs (or through the free reshape of
-a torch ``Linear``), or whose program needs more than one row statistic after its reductions
-(layernorm written as ``(x - mean) * rsqrt(var + eps)`` needs the mean and the scale), stays
-as it was. When a fused matmul does not fit the scratchpad, the scheduler runs the prologue as
-a map and the matmul after it (:func:`unfuse_prologue`).
+of it become loads of the norm's input (one per stats map, and the matmuls load it instead)
+and a store and loads of one value per row and statistic. Whether that saves time depends on
+the shapes (each stats map loads the rows; the prologue runs once per N block), so the pass
+asks the scheduler and the timing model and fuses only where it does. A norm read by anything
+but matmuls' lhs (or through the free reshapes of a torch ``Linear``), or with more than
+:data:`MAX_STATISTICS` statistics, stays as it was. When a fused matmul does not fit the
+scratchpad, the scheduler runs the prologue as a map and the matmul after it
+(:func:`unfuse_prologue`).
 """
 
 from __future__ import annotations
@@ -61,8 +64,11 @@ def _invariant(body: MapBody) -> tuple[list[bool], list[bool]] | None:
     return inv, red
 
 
-def _closure(program: _Program, n_in: int, root: int, stop: int = -1) -> set[int]:
-    """The registers ``root`` is computed from (itself included), not looking past ``stop``."""
+def _closure(
+    program: _Program, n_in: int, root: int, stop: frozenset[int] = frozenset()
+) -> set[int]:
+    """The registers ``root`` is computed from (itself included), not looking past those in
+    ``stop``."""
     need: set[int] = set()
     todo = [root]
     while todo:
@@ -70,21 +76,19 @@ def _closure(program: _Program, n_in: int, root: int, stop: int = -1) -> set[int
         if r in need:
             continue
         need.add(r)
-        if r >= n_in and r != stop:
+        if r >= n_in and r not in stop:
             todo.extend(program[r - n_in][1])
     return need
 
 
 def _subprogram(
-    body: MapBody, need: set[int], inputs: list[int], extra: int = -1
+    body: MapBody, need: set[int], inputs: list[int], extra: tuple[int, ...] = ()
 ) -> tuple[tuple[InputView, ...], _Program]:
     """The views and program of ``body`` restricted to the registers in ``need``: its inputs
-    ``inputs`` (register numbers, in order), then (``extra`` >= 0) register ``extra`` read as
-    one more input, then the ops in ``need`` in their order."""
+    ``inputs`` (register numbers, in order), then the registers ``extra`` read as more inputs,
+    then the ops in ``need`` in their order."""
     n_in = len(body.views)
-    where = {r: i for i, r in enumerate(inputs)}
-    if extra >= 0:
-        where[extra] = len(inputs)
+    where = {r: i for i, r in enumerate((*inputs, *extra))}
     views = tuple(body.views[r] for r in inputs)
     prog = []
     for k, (op, args, param, dt) in enumerate(body.program):
@@ -95,14 +99,22 @@ def _subprogram(
     return views, tuple(prog)
 
 
-def split_norm(body: MapBody) -> tuple[MapBody, MapBody, list[int], list[int], int] | None:
-    """A norm's map body split at its row statistic, or None when it is not one.
+#: the most row statistics a norm may have to be split (each is a stats map loading the rows)
+MAX_STATISTICS = 2
 
-    Returns (the stats body: the program up to the statistic on whole rows, then ``max`` over
-    the last axis: one fp32 value per row; its inputs, register numbers of ``body``; the
-    prologue body: the rest over the same space, reading the statistic as its last input,
-    broadcast along the last axis; its inputs before that one; the prologue's input that is the
-    norm's row input, read one-to-one: the lhs tile of a matmul)."""
+
+def split_norm(
+    body: MapBody,
+) -> tuple[list[tuple[MapBody, list[int]]], MapBody, list[int], int] | None:
+    """A norm's map body split at its row statistics, or None when it is not one.
+
+    Returns (per statistic, in register order, its stats body: the program up to it on whole
+    rows, then ``max`` over the last axis: one fp32 value per row, with its inputs, register
+    numbers of ``body``; the prologue body: the rest over the same space, reading the
+    statistics as its last inputs, broadcast along the last axis; its inputs before those; the
+    prologue's input that is the norm's row input, read one-to-one: the lhs tile of a matmul).
+    RMSNorm has one statistic (``rsqrt(mean(x²) + eps)``), layernorm two (the mean and the
+    scale); more than :data:`MAX_STATISTICS` are not split."""
     last = len(body.space) - 1
     if body.reduce or last < 0 or body.program_reduce_axes() != frozenset((last,)):
         return None
@@ -114,34 +126,37 @@ def split_norm(body: MapBody) -> tuple[MapBody, MapBody, list[int], list[int], i
     final = n_in + len(body.program) - 1
     if inv[final]:
         return None
-    # the statistic: the one register after a row reduction that per-element ops read
-    boundary = {
-        a
-        for k, (_, args, _, _) in enumerate(body.program)
-        if not inv[n_in + k]
-        for a in args
-        if inv[a] and red[a]
-    }
-    if len(boundary) != 1:
+    # the statistics: the registers after a row reduction that per-element ops read
+    boundary = sorted(
+        {
+            a
+            for k, (_, args, _, _) in enumerate(body.program)
+            if not inv[n_in + k]
+            for a in args
+            if inv[a] and red[a]
+        }
+    )
+    if not 1 <= len(boundary) <= MAX_STATISTICS:
         return None
-    (stat,) = boundary
-    need_s = _closure(body.program, n_in, stat)
-    ins_s = sorted(r for r in need_s if r < n_in)
-    views, prog = _subprogram(body, need_s, ins_s)
-    stats = MapBody(body.space, views, prog, "max", (last,), "float32")
-    need_p = _closure(body.program, n_in, final, stop=stat)
+    stats = []
+    for stat in boundary:
+        need_s = _closure(body.program, n_in, stat)
+        ins_s = sorted(r for r in need_s if r < n_in)
+        views, prog = _subprogram(body, need_s, ins_s)
+        stats.append((MapBody(body.space, views, prog, "max", (last,), "float32"), ins_s))
+    need_p = _closure(body.program, n_in, final, stop=frozenset(boundary))
     ins_p = sorted(r for r in need_p if r < n_in)
-    views, prog = _subprogram(body, need_p, ins_p, extra=stat)
+    views, prog = _subprogram(body, need_p, ins_p, extra=tuple(boundary))
     rank = len(body.space)
     sv = InputView(
         tuple(range(rank - 1)), (0,) * (rank - 1), (1,) * (rank - 1), (False,) * (rank - 1)
     )
-    pro = MapBody(body.space, (*views, sv), prog, "", (), body.out_dtype)
+    pro = MapBody(body.space, (*views, *[sv] * len(boundary)), prog, "", (), body.out_dtype)
     ident = InputView.identity(rank)
     rows = [i for i, r in enumerate(ins_p) if body.views[r] == ident and not inv[r]]
     if not rows:
         return None
-    return stats, ins_s, pro, ins_p, rows[0]
+    return stats, pro, ins_p, rows[0]
 
 
 def _over(
@@ -277,13 +292,15 @@ def fuse_prologue(
         parts = split_norm(body)
         if parts is None:
             continue
-        stats_body, ins_s, pro_body, ins_p, row = parts
+        stats, pro_body, ins_p, row = parts
         made = [Node("reshape", (w,), (u,), params(shape=lhs_shape), n.source) for w, u in pairs]
-        stat = Var(lhs_shape[:-1], "float32")
-        made.append(
-            Node("map", tuple(ins[r] for r in ins_s), (stat,), params(body=stats_body), n.source)
-        )
-        pro_ins = [ins[r] for r in ins_p] + [stat]
+        stat_vars = []
+        for stats_body, ins_s in stats:
+            stat = Var(lhs_shape[:-1], "float32")
+            ps = params(body=stats_body)
+            made.append(Node("map", tuple(ins[r] for r in ins_s), (stat,), ps, n.source))
+            stat_vars.append(stat)
+        pro_ins = [ins[r] for r in ins_p] + stat_vars
         lhs = pro_ins.pop(row)
         fused = {
             id(m): Node(
