@@ -423,8 +423,12 @@ class FusedMap:
         for i, v in enumerate(inputs):
             j = i if i < slot else i + 1
             lay = ctx.layout(v)
-            blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
-            gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
+            if lay.shape:
+                blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
+                gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
+            else:  # a rank-0 tensor: its one stick, the same block for every step
+                blk, gd, org, stp = lay.device_shape, (-1,), (0,), lay.device_shape
+                local = body.views[j]
             self.operands.append(Operand(ctx.name(v), blk, gd, f"{prefix}{i}", org, stp))
             self.layouts.append(lay)
             views[j] = local

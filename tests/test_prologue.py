@@ -328,3 +328,34 @@ def test_a_softmax_before_a_batched_matmul_splits_at_its_max_and_sum(monkeypatch
     kern, _ = _check_reference(f, s, v, k=96, chain=4)
     assert _stages(kern) == [("map", False), ("map", False), ("matmul", True)]
     assert kern.stages[-1].grid[0] == 4
+
+
+def test_a_matmul_with_both_a_prologue_and_an_epilogue(monkeypatch):
+    """Llama's MLP after its norm: the up projection carries the SwiGLU gate product as its
+    epilogue and the norm as its prologue (inputs: lhs, rhs, the epilogue's, the
+    prologue's)."""
+
+    def f(x, g, wg, wu):
+        h = _rms(x, g)
+        return jax.nn.silu(h @ wg) * (h @ wu)
+
+    x, g = _arr((64, 256), F16, seed=23), _arr((256,), F16, seed=24)
+    wg, wu = _w((256, 384), F16, 25, 1 / 16), _w((256, 384), F16, 26, 1 / 16)
+    monkeypatch.setattr(pipeline, "fuse_prologue", _forced)
+    kern, _ = _check_reference(f, x, g, wg, wu, k=256, chain=4)
+    assert _stages(kern) == [("map", False), ("matmul", True), ("matmul", True)]
+    bodies = [s.body[0][2] for s in kern.stages[1:]]
+    assert bodies[0].epilogue is None and bodies[1].epilogue is not None
+
+
+def test_a_prologue_reading_a_rank_0_tensor(monkeypatch):
+    # regression: a rank-0 input of the prologue (a scale given as an array; bucketed torch
+    # graphs pass fill values so) was windowed as if it had dims: no block fit its one stick
+    def f(x, g, w, s):
+        return (_rms(x, g) * s) @ w
+
+    x, g, w = _arr((64, 128), F16, seed=27), _arr((128,), F16, seed=28), _w((128, 96), F16, 29, 0.1)
+    s = np.asarray(0.5, F16)
+    monkeypatch.setattr(pipeline, "fuse_prologue", _forced)
+    kern, _ = _check_reference(f, x, g, w, s, k=128, chain=4)
+    assert ("matmul", True) in _stages(kern)
