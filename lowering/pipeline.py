@@ -12,12 +12,13 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from device_model.card import CardSpec
 from device_model.kernel import Kernel, check_kernel, format_kernel
 from device_model.timing import kernel_cost
 
-from .graph import Graph, check_graph
+from .graph import Graph, Var, check_graph
 from .matmul_passes import (
     fuse_epilogue,
     narrow_matmul,
@@ -43,16 +44,49 @@ def _dump_handler() -> None:
     log.setLevel(logging.DEBUG)
 
 
+#: simulated times of the small graphs a pass asks about, by their structure and card (a
+#: model's identical layers ask the same question): at most this many, then it starts over
+TIMES_KEPT = 4096
+_times: dict[Any, float] = {}
+
+
+def _structure(g: Graph) -> tuple:
+    """``g`` up to the identity of its values: each node's op and parameters, and
+    its inputs and outputs as (first appearance, shape, dtype)."""
+    seen: dict[int, int] = {}
+
+    def ref(v: Var) -> tuple:
+        return (seen.setdefault(v.id, len(seen)), v.shape, v.dtype)
+
+    return tuple(
+        (n.op, n.params, tuple(ref(v) for v in n.inputs), tuple(ref(v) for v in n.outputs))
+        for n in g.nodes
+    ) + (tuple(ref(v) for v in g.inputs), tuple(ref(v) for v in g.outputs))
+
+
+def _timer(card: CardSpec) -> Callable[[Graph], float]:
+    """The simulated time of a graph as the scheduler tiles it on ``card`` (remembered by its
+    structure)."""
+
+    def time_of(g: Graph) -> float:
+        key = (_structure(g), card)
+        t = _times.get(key)
+        if t is None:
+            t = float(kernel_cost(schedule(g, card), card)["sim_time_us"])
+            if len(_times) >= TIMES_KEPT:
+                _times.clear()
+            _times[key] = t
+        return t
+
+    return time_of
+
+
 def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], ...]:
     """The graph passes in order, each bound to ``card`` where it looks at device layouts.
     Fusion asks the tiler whether each map it merges still fits ``card``'s scratchpad (a
     row-resident softmax needs its whole rows there); a norm's fusion into the matmuls after
     it asks the scheduler and the timing model whether it saves time."""
     fits = functools.partial(map_fits, card=card)
-
-    def time_of(g: Graph) -> float:
-        return float(kernel_cost(schedule(g, card), card)["sim_time_us"])
-
     return (
         ("nt_matmul", nt_matmul),
         ("swap_matmul", swap_matmul),
@@ -61,7 +95,7 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
         ("fuse_maps", functools.partial(fuse_maps, fits=fits, card=card)),
         ("sink_and_fuse", functools.partial(sink_and_fuse, fits=fits, card=card)),
         ("fuse_epilogue", fuse_epilogue),
-        ("fuse_prologue", functools.partial(fuse_prologue, card=card, time_of=time_of)),
+        ("fuse_prologue", functools.partial(fuse_prologue, card=card, time_of=_timer(card))),
         ("dce", dce),
     )
 
