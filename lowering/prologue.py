@@ -302,6 +302,8 @@ def fuse_prologue(
             stat_vars.append(stat)
         pro_ins = [ins[r] for r in ins_p] + stat_vars
         lhs = pro_ins.pop(row)
+        if lhs.shape != lhs_shape:  # an identity view of a longer input: a slice of it
+            continue
         fused = {
             id(m): Node(
                 "matmul",

@@ -359,3 +359,15 @@ def test_a_prologue_reading_a_rank_0_tensor(monkeypatch):
     monkeypatch.setattr(pipeline, "fuse_prologue", _forced)
     kern, _ = _check_reference(f, x, g, w, s, k=128, chain=4)
     assert ("matmul", True) in _stages(kern)
+
+
+def test_a_norm_of_a_slice_keeps_its_stage(monkeypatch):
+    # the norm reads the first rows of a longer tensor (an identity view of it): that tensor is
+    # not the matmul's lhs, so the norm is not split
+    def f(x, g, w):
+        return jnp.matmul(_rms(x[:, :48], g), w)
+
+    x, g = _arr((1, 64, 128), F16, seed=30), _arr((128,), F16, seed=31)
+    w = _w((1, 128, 96), F16, 32, 0.1)
+    monkeypatch.setattr(pipeline, "fuse_prologue", _forced)
+    _check_host(f, x, g, w, k=128, chain=3)
