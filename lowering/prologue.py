@@ -102,6 +102,12 @@ def _subprogram(
 #: the most row statistics a norm may have to be split (each is a stats map loading the rows)
 MAX_STATISTICS = 2
 
+#: a fusion that saves less simulated time than this fraction of the unfused time ...
+FUSE_GAIN = 0.01
+#: ... or than this many microseconds saves none: the unfused stages are a shorter simulation
+#: (a prologue reruns per N block in the simulation too), as the tiler breaks its ties
+FUSE_GAIN_US = 0.2
+
 
 def split_norm(
     body: MapBody,
@@ -263,10 +269,11 @@ def fuse_prologue(
 ) -> Graph:
     """Every norm whose only readers are matmuls' lhs (directly or through the free reshape of
     a torch ``Linear``) becomes a stats map and a prologue of each of those matmuls (see the
-    module docstring). ``time_of`` (the simulated time of a graph as the scheduler tiles it):
-    a norm is fused only where the norm and its matmuls take less time fused than not (a
-    small norm can take longer as a stats map: one fp32 value per row, the rows in blocks of
-    whole sticks of them, keeps fewer cores busy)."""
+    module docstring). ``time_of`` (the simulated time of a graph, in us, as the scheduler
+    tiles it): a norm is fused only where the norm and its matmuls take less time fused than
+    not, by :data:`FUSE_GAIN` of it and :data:`FUSE_GAIN_US` at least (a small norm can take
+    longer as a stats map: one fp32 value per row, the rows in blocks of whole sticks of them,
+    keeps fewer cores busy)."""
     readers: dict[int, list[Node]] = {}
     for n in g.nodes:
         for v in set(n.inputs):
@@ -320,7 +327,7 @@ def fuse_prologue(
                 after = time_of(_subgraph([*made, *fused.values()]))
             except TilingError:  # the scheduler will say so for the whole graph
                 continue
-            if after >= before:
+            if after > before - max(before * FUSE_GAIN, FUSE_GAIN_US):
                 continue
         for m in mms:
             replace[id(m)] = [fused[id(m)]]
