@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .card import DEFAULT_CARD, CardSpec
+from .deferred import Deferred, Trace, card_array
 from .kernel import Kernel, format_kernel
 from .layout import TensorLayout, layout_for, np_dtype
 from .memory import DeviceMemory, DeviceOOMError
@@ -47,6 +48,7 @@ __all__ = [
     "DeviceBuffer",
     "Executable",
     "launch",
+    "card_array",
     "copy_in",
     "copy_out",
     "host_wrote",
@@ -74,6 +76,8 @@ class Runtime:
         self.memory = DeviceMemory.for_card(card)
         self.queues = Queues(race_mode=race_mode, per_priority=card.streams_per_priority)
         self.lock = threading.RLock()
+        #: eager launches' card programs not run yet (``device_model.deferred``)
+        self.trace = Trace()
 
     def __repr__(self) -> str:
         return f"<spyre Runtime {self.memory.stats()['bytes_in_use']} B in use>"
@@ -462,8 +466,11 @@ def wait_event(rt: Runtime, stream: int, event: Event) -> Token:
 
 
 def synchronize(rt: Runtime | None = None, stream: int | None = None) -> float:
-    """The host waits for one stream of ``rt`` (or all); the simulated host time after."""
-    return (rt or _current).queues.synchronize(stream)
+    """The host waits for one stream of ``rt`` (or all); the simulated host time after. The
+    card programs of deferred launches run first (``device_model.deferred``)."""
+    rt = rt or _current
+    rt.trace.flush()
+    return rt.queues.synchronize(stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +524,8 @@ class Executable:
         self.plan = tuple((st.kind, st.index) for st in self.recipe.steps)
         self._out_nbytes = tuple(lay.nbytes for lay in self.out_layouts)
         self._runner: Any = None
+        #: it is one jitted program (a staged one runs stage by stage: never deferred)
+        self._jitted = False
         self._device_array: Any = None
         self._block: Any = None
         #: its variants with other card programs (:meth:`with_runner`), kept by their user
@@ -545,6 +554,7 @@ class Executable:
             from . import program
 
             self._runner = program.build_runner(self.kernel)
+            self._jitted = hasattr(self._runner, "lower")
             # a resident buffer's payload becomes a card (JAX) array once, over the same bytes:
             # payloads own their memory (copy_in) or alias it on purpose (copy_in(alias=True))
             self._device_array = functools.partial(jax.device_put, may_alias=True)
@@ -557,6 +567,7 @@ class Executable:
         self.runner()
         ex = copy.copy(self)
         ex._runner = runner
+        ex._jitted = hasattr(runner, "lower")
         return ex
 
     def __repr__(self) -> str:
@@ -567,8 +578,12 @@ class Executable:
 _READERS_PRUNE = 64
 
 
-def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
+def launch(exe: Executable, args: Sequence[Any], *, defer: bool = False) -> list[DeviceBuffer]:
     """Run ``exe``'s recipe once on the current stream; one output buffer per kernel output.
+
+    ``defer``: the card program that computes the outputs may be recorded in the card's trace
+    (:mod:`device_model.deferred`) and run later, with the next ones, when a value is needed;
+    everything else (checks, memory, the timeline) happens now either way.
 
     ``args``: one per kernel argument, a :class:`DeviceBuffer` (used in place) or host values
     (copied in for this launch, freed after it). Refused before anything changes on: a buffer of
@@ -605,7 +620,7 @@ def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
                     temps.append(b)
                     bufs[index] = b
             elif kind == "run_kernel":
-                outs = _run_kernel(exe, bufs, temps, sid)
+                outs = _run_kernel(exe, bufs, temps, sid, defer)
             # copy_out steps are taken when the host reads a result (copy_out)
     finally:
         for t in temps:
@@ -614,7 +629,7 @@ def launch(exe: Executable, args: Sequence[Any]) -> list[DeviceBuffer]:
 
 
 def _run_kernel(
-    exe: Executable, bufs: list[DeviceBuffer], temps: list[DeviceBuffer], sid: int
+    exe: Executable, bufs: list[DeviceBuffer], temps: list[DeviceBuffer], sid: int, defer: bool
 ) -> list[DeviceBuffer]:
     rt = exe.rt
     runner = exe._runner or exe.runner()
@@ -625,10 +640,17 @@ def _run_kernel(
             bufs[i].store(p)
     if exe.consts:
         payloads += [c.payload() for c in exe.consts]
+    # one jitted program may wait in the trace; a staged one takes its arguments' values now
+    defer = defer and exe._jitted
+    if not defer:
+        payloads = [card_array(p) for p in payloads]
     with rt.lock:
         addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
     try:
-        results = runner(*payloads)
+        if defer:
+            results: list[Any] = rt.trace.call(runner, payloads, len(exe.out_layouts))
+        else:
+            results = runner(*payloads)
         # the host may write the bytes of inputs that share its memory next: unless the run has
         # finished (it ran where called; the outputs of one run are ready together), each such
         # input's storage records the launch (its writer waits for it), or where one keeps no
@@ -637,12 +659,17 @@ def _run_kernel(
             shared = [b for b in bufs if b.shares_host]
             lists = [b._base.readers if b._base is not None else None for b in shared]
             if None in lists:
-                exe._block(results)
+                exe._block([card_array(r) for r in results])
             else:
+                # a deferred run is waited for as its trace's batch (its results may die first)
+                mark = rt.trace.batch if type(results[0]) is Deferred else None
                 for rd in lists:
                     if len(rd) >= _READERS_PRUNE:
                         rd[:] = [r for r in rd if not r.is_ready()]
-                    rd.extend(results)
+                    if mark is None:
+                        rd.extend(results)
+                    elif not rd or rd[-1] is not mark:
+                        rd.append(mark)
     except BaseException:
         for a in addrs:
             rt.memory.free(a)

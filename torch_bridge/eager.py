@@ -646,7 +646,7 @@ def _launch(plan: _Plan, leaves: list) -> Any:
         exe = plan.compiled
         if any(g is not None for g in geometries):
             exe = _fused(plan, tuple(geometries))
-        bufs = launch(exe, operands)
+        bufs = launch(exe, operands, defer=True)
     finally:
         for b in temps:
             b.delete()

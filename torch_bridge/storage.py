@@ -140,6 +140,7 @@ _regions: dict[int, _Region] = {}
 
 def wait_all() -> None:
     """Wait for every launch in flight: each pending result and each read of host bytes."""
+    runtime().trace.flush()  # the deferred runs, together (``device_model.deferred``)
     with _lock:
         regions = list(_regions.values())
     for r in regions:
@@ -594,7 +595,7 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _host_gathered(t, layout, fill)
     src, shares = _view_array(r, key[0])
-    out = _relayout().gather_view(src, sizes, key)
+    out = _relayout().gather_view(card_runtime.card_array(src), sizes, key)
     if shares:
         r.readers.append(out)
     return out
