@@ -487,7 +487,7 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
             k_valid = body.k_logical - kpos * tk
         pro = None
         if body.prologue is not None:  # each core's tiles of the prologue's other inputs
-            ops_ = stage.inputs[len(stage.inputs) - body.prologue_inputs :]
+            ops_ = body.split_inputs(stage.inputs)[3]
             pro = (
                 [bufs.read(op.sp, cx.slot(op.sp, t)) for op in ops_],
                 [cx.decls[op.tensor].layout.dtype for op in ops_],
@@ -534,7 +534,7 @@ def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
             r = matmul_ops.mask_n(jnp, r, col0, params.n_logical)
         r = ops.fit(jnp, r, out.block)
         if params.epilogue is not None:
-            extras = stage.inputs[2 : len(stage.inputs) - params.prologue_inputs]
+            extras = params.split_inputs(stage.inputs)[2]
             tiles = [bufs.read(op.sp, cx.slot(op.sp, t)) for op in extras]
             dts = [cx.decls[op.tensor].layout.dtype for op in extras]
             space = params.epilogue.space

@@ -15,6 +15,7 @@ scratchpad in the output's dtype.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,12 @@ class MatmulBody:
     def prologue_inputs(self) -> int:
         """How many of the stage's inputs (its last ones) are the prologue's, the lhs aside."""
         return len(self.prologue.views) - 1 if self.prologue is not None else 0
+
+    def split_inputs(self, inputs: Sequence[Any]) -> tuple[Any, Any, tuple, tuple]:
+        """A stage's inputs as (lhs, rhs, the epilogue's, the prologue's): the stage's inputs
+        are ``(lhs, rhs, *epilogue inputs, *prologue inputs)``."""
+        cut = len(inputs) - self.prologue_inputs
+        return inputs[0], inputs[1], tuple(inputs[2:cut]), tuple(inputs[cut:])
 
     @property
     def stored_dtype(self) -> str:

@@ -233,9 +233,8 @@ def _compute(
     elif stage.kind == "matmul":
         body = params
         lhs, rhs = (tile(op) for op in stage.inputs[:2])  # [1, 1, tm, tkp], [1, 1, tk, tn]
-        npro = body.prologue_inputs
+        _, _, extras, pro_ops = body.split_inputs(stage.inputs)
         if body.prologue is not None:  # the lhs tile through the SFUs on its way to the PE
-            pro_ops = stage.inputs[len(stage.inputs) - npro :]
             lhs = matmul_ops.run_prologue(
                 np,
                 body,
@@ -261,7 +260,6 @@ def _compute(
         if body.epilogue is not None:
             if not stage.last[t]:
                 return  # the epilogue's operands arrive with the block's last K step
-            extras = stage.inputs[2 : len(stage.inputs) - npro]
             tiles = [tile(op) for op in extras]
             dts = [decls[op.tensor].layout.dtype for op in extras]
             r = matmul_ops.run_epilogue(

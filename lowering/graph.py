@@ -190,6 +190,15 @@ def _r_reduce(n: Node) -> list:
     return [(shape, x.dtype)]
 
 
+def matmul_inputs(n: Node) -> tuple[Var, Var, tuple[Var, ...], tuple[Var, ...]]:
+    """A matmul node's inputs as (lhs, rhs, the epilogue's, the prologue's): the node's inputs
+    are ``(lhs, rhs, *epilogue inputs, *prologue inputs)``, as many of the prologue's as its
+    views less the lhs."""
+    pro: MapBody | None = n.p("prologue", None)
+    cut = len(n.inputs) - (len(pro.views) - 1 if pro is not None else 0)
+    return n.inputs[0], n.inputs[1], tuple(n.inputs[2:cut]), tuple(n.inputs[cut:])
+
+
 def _r_matmul(n: Node) -> list:
     _need(len(n.inputs) >= 2, "matmul takes lhs and rhs")
     a, b = n.inputs[:2]
@@ -215,7 +224,7 @@ def _r_matmul(n: Node) -> list:
         _need(pro.space == a.shape, f"matmul: prologue space {pro.space} is not the lhs's")
         _need(not pro.reduce and not pro.program_reduce_axes(), "matmul: the prologue reduces")
         _need(pro.views[lslot] == InputView.identity(3), "matmul: the prologue reads the lhs 1:1")
-        ins = list(n.inputs[len(n.inputs) - npro :])
+        ins = list(matmul_inputs(n)[3])
         ins.insert(lslot, a)
         lhs = Var(a.shape, pro.out_dtype, -1)  # what the PE multiplies (no id drawn)
         _r_map(Node("map", tuple(ins), (lhs,), (("body", pro),), n.source))
@@ -232,7 +241,7 @@ def _r_matmul(n: Node) -> list:
     _need(ep.space == shape, f"matmul: epilogue space {ep.space} is not the product's {shape}")
     _need(not ep.reduce and not ep.program_reduce_axes(), "matmul: the epilogue reduces")
     _need(ep.views[slot] == InputView.identity(3), "matmul: the epilogue reads the product 1:1")
-    extras = list(n.inputs[2 : len(n.inputs) - npro])
+    extras = list(matmul_inputs(n)[2])
     extras.insert(slot, Var(shape, n.p("dtype"), -1))  # the product (no id drawn)
     _r_map(Node("map", tuple(extras), n.outputs, (("body", ep),), n.source))
     return [(shape, ep.out_dtype)]

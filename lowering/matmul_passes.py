@@ -11,7 +11,7 @@ from collections.abc import Callable
 from device_model.card import CardSpec
 from device_model.ops import InputView, MapBody
 
-from .graph import Graph, Node, Var, params
+from .graph import Graph, Node, Var, matmul_inputs, params
 from .passes import _splice, _use_counts, dce, fuse_maps, is_free_reshape
 
 __all__ = [
@@ -316,13 +316,11 @@ def unfuse_epilogue(n: Node) -> list[Node]:
     ep: MapBody = n.p("epilogue")
     slot = n.p("acc_slot", 0)
     ps = params(**{k: v for k, v in n.params if k not in ("epilogue", "acc_slot")})
-    a, b = n.inputs[:2]
-    pro: MapBody | None = n.p("prologue")
-    cut = len(n.inputs) - (len(pro.views) - 1 if pro is not None else 0)  # a prologue's stay
+    a, b, ep_ins, pro_ins = matmul_inputs(n)  # a prologue's inputs stay with the matmul
     prod = Var(n.out.shape, n.p("dtype"))
-    extras = list(n.inputs[2:cut])
+    extras = list(ep_ins)
     extras.insert(slot, prod)
     return [
-        Node("matmul", (a, b, *n.inputs[cut:]), (prod,), ps, n.source),
+        Node("matmul", (a, b, *pro_ins), (prod,), ps, n.source),
         Node("map", tuple(extras), n.outputs, params(body=ep), n.source),
     ]

@@ -34,7 +34,7 @@ from device_model.card import CardSpec
 from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
 from .errors import TilingError
-from .graph import Graph, Node, Var, params
+from .graph import Graph, Node, Var, matmul_inputs, params
 from .passes import _splice, dce, is_free_reshape
 
 __all__ = ["fuse_prologue", "unfuse_prologue", "split_norm"]
@@ -343,14 +343,12 @@ def unfuse_prologue(n: Node) -> list[Node]:
     """A matmul with a prologue as the prologue's map, which makes the lhs, and the matmul
     (the scheduler's fallback when the fused stage does not fit)."""
     pro: MapBody = n.p("prologue")
-    npro = len(pro.views) - 1
-    a = n.inputs[0]
-    cut = len(n.inputs) - npro
-    ins = list(n.inputs[cut:])
+    a, b, ep_ins, pro_ins = matmul_inputs(n)
+    ins = list(pro_ins)
     ins.insert(n.p("lhs_slot", 0), a)
     lhs = Var(a.shape, pro.out_dtype)
     ps = params(**{k: v for k, v in n.params if k not in ("prologue", "lhs_slot")})
     return [
         Node("map", tuple(ins), (lhs,), params(body=pro), n.source),
-        Node("matmul", (lhs, *n.inputs[1:cut]), n.outputs, ps, n.source),
+        Node("matmul", (lhs, b, *ep_ins), n.outputs, ps, n.source),
     ]

@@ -393,6 +393,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         tm_c, tn_c, tk_c = [known[0]], [(known[1], known[2])], [known[3]]
     cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
     ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
+    pro_items_of: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
     pro_body: MapBody | None = n.p("prologue")
     # a prologue's SFU time per lhs element (its tiles pass the SFUs before the PE)
     pro_s = 0.0
@@ -408,7 +409,9 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         rblk = (1, tn, tkr) if rhs_t else (1, tk, tn)
         if (tm, tno) not in ep_items:  # an epilogue's operands, in blocks of the output's
             ep_items[tm, tno] = epilogue_blocks(ctx, n, tm, tno).plan_items()
-        pro_items = prologue_blocks(ctx, n, tm, None if tk == K else tk).plan_items()
+        if (tm, tk) not in pro_items_of:  # a prologue's operands, in blocks of the lhs's
+            pro_items_of[tm, tk] = prologue_blocks(ctx, n, tm, None if tk == K else tk).plan_items()
+        pro_items = pro_items_of[tm, tk]
         pro_bytes = sum(math.prod(b) * np_dtype(dt).itemsize for b, dt in pro_items)
         plan = (
             ctx.plan_bytes([((1, tm, tkp), la.dtype), (rblk, lb.dtype)] + pro_items, slots)

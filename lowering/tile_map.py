@@ -230,12 +230,7 @@ def _map_plan_general(
 
     def layout_of(bl: dict[int, int | None]) -> tuple:
         sb = tuple(space[g] if bl.get(g) is None else bl[g] for g in range(r))
-        ins = [
-            _window(lay, view, space, bl)
-            if lay.shape
-            else (lay.device_shape, (-1,), (0,), lay.device_shape, view)
-            for lay, view in zip(in_lays, body.views, strict=True)
-        ]
+        ins = [_window(lay, view, space, bl) for lay, view in zip(in_lays, body.views, strict=True)]
         if out_lay.shape:
             ob = tuple(
                 out_lay.device_shape[i] if bl.get(g) is None else bl[g]

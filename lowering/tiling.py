@@ -24,7 +24,7 @@ from device_model.ops import (
 )
 
 from .errors import TilingError
-from .graph import Node, Var
+from .graph import Node, Var, matmul_inputs
 
 
 def _align(n: int, a: int) -> int:
@@ -371,7 +371,10 @@ def _window(
     """How an input is read in blocks for the space blocks ``bl``: (block, grid_dims, origin,
     step, the view of a block). Each input dim is a window of the elements the view reads:
     stick dims start at a whole stick (the view's start within the block is the remainder); a
-    dim tiled along space dim g advances by ``bl[g] * stride`` per tile."""
+    dim tiled along space dim g advances by ``bl[g] * stride`` per tile. A rank-0 tensor (a
+    fill value) is its one stick, the same block for every step."""
+    if not lay.shape:
+        return lay.device_shape, (-1,), (0,), lay.device_shape, view
     blk, gd, org, stp, starts = [], [], [], [], []
     r = len(lay.shape)
     for j in range(r):
@@ -423,12 +426,8 @@ class FusedMap:
         for i, v in enumerate(inputs):
             j = i if i < slot else i + 1
             lay = ctx.layout(v)
-            if lay.shape:
-                blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
-                gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
-            else:  # a rank-0 tensor: its one stick, the same block for every step
-                blk, gd, org, stp = lay.device_shape, (-1,), (0,), lay.device_shape
-                local = body.views[j]
+            blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
+            gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
             self.operands.append(Operand(ctx.name(v), blk, gd, f"{prefix}{i}", org, stp))
             self.layouts.append(lay)
             views[j] = local
@@ -443,7 +442,7 @@ def epilogue_blocks(ctx: _Ctx, n: Node, tm: int, tno: int) -> FusedMap:
     """A matmul node's epilogue for output blocks ``[1, tm, tno]``: its operands are the node's
     inputs past the rhs (a prologue's come after them)."""
     ep: MapBody | None = n.p("epilogue")
-    extras = n.inputs[2 : 1 + len(ep.views)] if ep is not None else ()
+    extras = matmul_inputs(n)[2]
     bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
     return FusedMap(ctx, ep, n.p("acc_slot", 0), extras, bl, "e", (0, 1, 2))
 
@@ -453,7 +452,7 @@ def prologue_blocks(ctx: _Ctx, n: Node, tm: int, tk: int | None) -> FusedMap:
     block): its operands are the node's last inputs, a block of each loaded with the lhs's on
     every step; the lhs's K is the grid's axis 3."""
     pro: MapBody | None = n.p("prologue")
-    extras = n.inputs[len(n.inputs) - len(pro.views) + 1 :] if pro is not None else ()
+    extras = matmul_inputs(n)[3]
     bl: dict[int, int | None] = {0: 1, 1: tm, 2: tk}
     return FusedMap(ctx, pro, n.p("lhs_slot", 0), extras, bl, "p", (0, 1, 3))
 
