@@ -13,7 +13,7 @@ Why: calling an XLA program costs the host a few microseconds when the calls com
 back, twice that when each comes between the Python of an eager op, whose code and data it
 pushes out of the CPU's caches (and the op's Python runs slower after it). Run together, the
 calls of a step of a serving loop, or of a run of small ops, stay in the caches: ``spyre-jax
-bench eager``'s small op went from 54 to 45 us of host time.
+bench eager``'s small op went from 52-54 to 42-44 us of host time.
 
 Values are the same: each run is the kernel's own program with the same arguments; only when
 the host computes them changes. A program runs on its own the first time it is launched

@@ -300,6 +300,8 @@ def fuse_prologue(
         if parts is None:
             continue
         stats, pro_body, ins_p, row = parts
+        if ins[ins_p[row]].shape != lhs_shape:  # an identity view of a longer input: a slice
+            continue
         made = [Node("reshape", (w,), (u,), params(shape=lhs_shape), n.source) for w, u in pairs]
         stat_vars = []
         for stats_body, ins_s in stats:
@@ -309,8 +311,6 @@ def fuse_prologue(
             stat_vars.append(stat)
         pro_ins = [ins[r] for r in ins_p] + stat_vars
         lhs = pro_ins.pop(row)
-        if lhs.shape != lhs_shape:  # an identity view of a longer input: a slice of it
-            continue
         fused = {
             id(m): Node(
                 "matmul",

@@ -140,7 +140,6 @@ _regions: dict[int, _Region] = {}
 
 def wait_all() -> None:
     """Wait for every launch in flight: each pending result and each read of host bytes."""
-    runtime().trace.flush()  # the deferred runs, together (``device_model.deferred``)
     with _lock:
         regions = list(_regions.values())
     for r in regions:
