@@ -12,8 +12,8 @@ write to bytes a recorded run reads) or when it holds :data:`MAX_RUNS` runs.
 Why: calling an XLA program costs the host a few microseconds when the calls come back to
 back, twice that when each comes between the Python of an eager op, whose code and data it
 pushes out of the CPU's caches (and the op's Python runs slower after it). Run together, the
-calls of a step of a serving loop, or of a run of small ops, stay in the caches: ``spyre-jax
-bench eager``'s small op went from 52-54 to 42-44 us of host time.
+calls of a step of a serving loop, or of a run of small ops, stay in the caches (``spyre-jax
+bench eager`` measures the small op's host cost; docs/benchmarks.md has the figures).
 
 Values are the same: each run is the kernel's own program with the same arguments; only when
 the host computes them changes. A program runs on its own the first time it is launched

@@ -39,6 +39,22 @@ def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
     assert {"stream 0", "compute", "copy in", "copy out"} <= names
 
 
+def test_demo_trace_goes_to_the_temporary_directory_by_default(monkeypatch):
+    # a run in a checkout leaves no trace file in it: without --trace the demo writes to the
+    # system's temporary directory; --trace PATH goes where asked
+    import os
+    import tempfile
+
+    from spyre_jax.tools import demo
+
+    assert demo.DEFAULT_TRACE == os.path.join(tempfile.gettempdir(), "spyre-demo-trace.json")
+    asked: list[object] = []
+    monkeypatch.setattr(demo, "run_demo", lambda trace: asked.append(trace))
+    assert cli.main(["demo"]) == 0
+    assert cli.main(["demo", "--trace", "elsewhere.json"]) == 0
+    assert asked == [demo.DEFAULT_TRACE, "elsewhere.json"]
+
+
 def test_bench_launch_and_softmax_json(capsys):
     # enough calls, best of three, that the comparison below holds on a busy machine (one rep of
     # 50 calls once measured the launch alone at 37 us where it is usually 21)

@@ -56,7 +56,7 @@ def main_coverage(argv: list[str]) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    demo.run_demo(trace=args.trace)
+    demo.run_demo(trace=demo.DEFAULT_TRACE if args.trace is None else args.trace)
     return 0
 
 
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("coverage", help="op coverage: coverage torch|jax [--json] [--limit N]")
     pd = sub.add_parser("demo", help="run the transformer-block demo on the simulated card")
     pd.add_argument(
-        "--trace", default="spyre-demo-trace.json", help="where to write the Chrome trace"
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="where to write the Chrome trace (default: spyre-demo-trace.json in the system's "
+        "temporary directory)",
     )
     pb = sub.add_parser("bench", help="benchmarks")
     pb.add_argument(

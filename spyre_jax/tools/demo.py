@@ -6,7 +6,9 @@ CPU references. :func:`demo_block` and :func:`gpt2_small` are also the models of
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +23,11 @@ import spyre_jax
 from device_model.trace import format_summary
 from torch_bridge import backend as tb
 
-__all__ = ["demo_block", "gpt2_small", "run_demo", "run_torch_demo"]
+__all__ = ["DEFAULT_TRACE", "demo_block", "gpt2_small", "run_demo", "run_torch_demo"]
+
+#: where ``spyre-jax demo`` writes its Chrome trace unless ``--trace PATH`` says otherwise: the
+#: system's temporary directory, so that a run in a checkout leaves nothing in it
+DEFAULT_TRACE = os.path.join(tempfile.gettempdir(), "spyre-demo-trace.json")
 
 
 def demo_block(
@@ -69,9 +75,10 @@ def _fmt_bytes(n: float) -> str:
     return str(n)  # pragma: no cover
 
 
-def run_demo(out: Any = None, trace: str | None = "spyre-demo-trace.json") -> dict[str, Any]:
+def run_demo(out: Any = None, trace: str | None = DEFAULT_TRACE) -> dict[str, Any]:
     """Compile the demo block onto the card, run it, print the figures beside ``jax.jit``;
-    write a Chrome trace of one launch (host arguments in, the kernel, the result out)."""
+    write a Chrome trace of one launch (host arguments in, the kernel, the result out) to
+    ``trace`` (:data:`DEFAULT_TRACE` unless given; None writes none) and print its path."""
     out = sys.stdout if out is None else out
     fn, params, x = demo_block()
     t0 = time.perf_counter()
