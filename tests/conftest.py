@@ -4,6 +4,9 @@ Fixtures (found by pytest): ``small_card`` (simulate a card with some fields cha
 default card again afterwards) and ``fresh_card`` (a new default card: empty device memory,
 fresh streams, race mode "raise" afterwards). Helpers (``from conftest import ...``): ``rng``,
 ``torch_rand``. Every test starts with no eager size seen to vary (``torch_bridge.buckets``).
+Results are compared with the test oracle of ``spyre_jax.tools.testing`` (``assert_close``,
+``assert_tree_close``, ``tolerance``: one tolerance table by dtype, scaled by ``sqrt(k) * chain``);
+no test file keeps a tolerance table of its own.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import spyre_jax
 from device_model import blocks, program
 from device_model.layout import layout_for
 from device_model.runtime import _XLA_ALIGN, copy_in, runtime
+from spyre_jax.tools.testing import assert_close
 
 
 def _kernel_and_args(f, *args):
@@ -74,9 +75,7 @@ def test_direct_loads_give_the_same_bits_as_blocked_loads(fresh_card, monkeypatc
     direct = _run(kernel, dev, monkeypatch, 0)
     for a, b in zip(blocked, direct, strict=True):
         np.testing.assert_array_equal(a, b)
-    want = np.asarray(jax.jit(f)(*args)).astype(np.float64)
-    got = np.asarray(spyre_jax.jit(f)(*args)).astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * max(1.0, np.abs(want).max()))
+    assert_close(spyre_jax.jit(f)(*args), jax.jit(f)(*args))
 
 
 def _temp_bytes(kernel, dev, monkeypatch, direct_bytes) -> int:

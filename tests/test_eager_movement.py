@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from test_eager_buckets import _compiles, _fresh  # noqa: F401  (_fresh: autouse fixture)
 
 import spyre_jax
+from spyre_jax.tools.testing import assert_close
 from torch_bridge import card_cat, eager, storage
 
 
@@ -37,7 +38,7 @@ def test_an_operand_given_transposed_is_read_in_place(which):
         q, k = torch.randn(3, 7, 32, generator=g), torch.randn(3, 9, 32, generator=g)
         got = torch.bmm(q.to("spyre"), k.to("spyre").transpose(1, 2))
         want = torch.bmm(q, k.transpose(1, 2))
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
+    assert_close(got.cpu(), want)
     # plans that read their right-hand operand in place (another test's may read a left-hand
     # one given transposed, ``x.t() @ x``, which the kernel transposes back: no rhs_t)
     rhs = {torch.ops.aten.mm.default: 1, torch.ops.aten.bmm.default: 1}
@@ -108,7 +109,7 @@ def test_cat_along_a_growing_dim_compiles_nothing_per_size():
         one = torch.ones(1, 1, dtype=torch.int64)
         mask, smask = torch.cat([mask, one], -1), torch.cat([smask, one.to("spyre")], -1)
         scores = (sq @ sk.transpose(-1, -2)).cpu()
-        torch.testing.assert_close(scores, q @ k.transpose(-1, -2), rtol=1e-5, atol=1e-4)
+        assert_close(scores, q @ k.transpose(-1, -2))
         if step == 3:
             before = _compiles()
     _same(sk, k)

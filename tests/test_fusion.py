@@ -4,7 +4,8 @@
 axes (an in-program reduction, ``rsum``/``rmax``/...), and an elementwise producer inside each of
 its consumers; the tiler keeps the reduced axes whole in a block. Where the whole rows do not fit
 the scratchpad, the fusion is not made and the unfused stages run instead. Results are checked
-against ``jax.jit`` on the CPU with the tolerances of ``tests/test_ops.py``.
+against ``jax.jit`` on the CPU with the test oracle (``spyre_jax.tools.testing``), through
+``tests/test_ops.py``'s ``_check``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lowering.passes import dce, fuse_maps, to_maps
 from lowering.pipeline import compile_graph
 from lowering.schedule import map_fits, schedule
 from spyre_jax import CardSpec, TilingError
+from spyre_jax.tools.testing import assert_close
 
 
 def _kernel(f, *xs):
@@ -346,6 +348,6 @@ def test_an_fp32_product_read_elsewhere_stays_fp32():
     np.testing.assert_array_equal(np.asarray(got16), np.asarray(got32).astype(np.float16))
     g16, w16 = np.asarray(got16), np.asarray(want16)
     assert (np.abs(g16.astype(np.float32) - w16) <= np.spacing(np.abs(w16))).all()
-    np.testing.assert_allclose(np.asarray(got32), np.asarray(want32), rtol=1e-5, atol=1e-3)
+    assert_close(got32, want32)
     g = compile_graph(from_jaxpr(jax.make_jaxpr(f)(a, b), name="both"), CardSpec())
     assert "float32" in {t.layout.dtype for t in g.tensors}

@@ -25,6 +25,7 @@ from lowering.from_fx import RULES
 from spyre_jax import CardSpec
 from spyre_jax.tools import fuzz
 from spyre_jax.tools.fuzz import Case, programs, run_program
+from spyre_jax.tools.testing import assert_close
 
 N_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_EXAMPLES", "200"))
 N_REAL_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_REAL_EXAMPLES", "3"))
@@ -90,7 +91,7 @@ def test_program_emitters_agree_with_each_other_on_cpu():
         a = np.asarray(jax.jit(fuzz._emit(prog, "jax"))(x, row, w))
         with torch.no_grad():
             b = fuzz._emit(prog, "torch")(*(torch.from_numpy(v) for v in (x, row, w))).numpy()
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert_close(a, b)
 
 
 def test_the_net_catches_a_planted_lowering_bug(monkeypatch):

@@ -4,8 +4,6 @@ one hypothesis property."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -22,33 +20,11 @@ from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import check_graph
 from lowering.pipeline import compile_graph
 from spyre_jax import CardSpec
+from spyre_jax.tools.testing import assert_tree_close
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 FLOATS = [F16, BF16, F32]
 FLOAT_IDS = ["f16", "bf16", "f32"]
-
-# Tolerances (rtol, atol) per dtype for one elementwise op. The card widens every tile to fp32,
-# computes in fp32 and rounds each store to the tensor dtype (round to nearest even); jax on CPU
-# rounds to the dtype after (nearly) every op. So the two agree to about 2 ulps of the dtype:
-# fp16 eps = 2^-10 ~ 9.8e-4 -> 2e-3; bf16 eps = 2^-7 ~ 7.8e-3 -> 1.6e-2; fp32 ~ 1e-5 leaves
-# room for different fp32 transcendental implementations (exp, tanh, erf ...). The atol
-# covers results near zero (sin/cos/log near their zeros, cancellation in sub).
-# Reductions and matmuls sum in a different order (tiles over 32 cores, fp32 accumulation on
-# the card, pairwise / dtype accumulation on CPU): their tolerance is scaled by sqrt(K), K the
-# reduction length (random-walk growth of rounding errors), see ``_tol``.
-TOL = {
-    F16: (2e-3, 2e-3),
-    BF16: (1.6e-2, 1.6e-2),
-    F32: (1e-5, 1e-5),
-}
-
-
-def _tol(dtype, k: int = 1, chain: int = 1) -> tuple[float, float]:
-    """(rtol, atol) for ``dtype``; ``k`` = reduction length, ``chain`` = rounded ops in a row
-    on the CPU side that the card computes in fp32 with a single rounding (gelu, softmax...)."""
-    rtol, atol = TOL[np.dtype(dtype)]
-    s = math.sqrt(max(k, 1)) * chain
-    return rtol * s, atol * s
 
 
 def _arr(shape, dtype, kind: str = "normal", seed: int = 0) -> np.ndarray:
@@ -72,26 +48,12 @@ def _arr(shape, dtype, kind: str = "normal", seed: int = 0) -> np.ndarray:
 
 
 def _check(f, *xs, rtol=None, atol=None, k: int = 1, chain: int = 1):
-    """Run ``f`` on the simulated card and with jax.jit on CPU and compare."""
+    """Run ``f`` on the simulated card and with jax.jit on CPU and compare (the oracle of
+    ``spyre_jax.tools.testing``: ``k`` = reduction length, ``chain`` = rounded ops in a row on
+    the CPU side that the card computes in fp32 with a single rounding: gelu, softmax...)."""
     got = spyre_jax.jit(f)(*xs)
     want = jax.jit(f)(*xs)
-    got_l = jax.tree_util.tree_leaves(got)
-    want_l = jax.tree_util.tree_leaves(want)
-    assert len(got_l) == len(want_l)
-    for g, w in zip(got_l, want_l, strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.shape == w.shape, (g.shape, w.shape)
-        assert g.dtype == w.dtype, (g.dtype, w.dtype)
-        if w.dtype.kind in "biu":
-            np.testing.assert_array_equal(g, w)
-            continue
-        rt, at = _tol(w.dtype, k, chain)
-        np.testing.assert_allclose(
-            g.astype(np.float32),
-            w.astype(np.float32),
-            rtol=rt if rtol is None else rtol,
-            atol=at if atol is None else atol,
-        )
+    assert_tree_close(got, want, k=k, chain=chain, rtol=rtol, atol=atol)
     return got
 
 
@@ -661,8 +623,6 @@ def test_matmul_preferred_f32(n):
         x,
         w,
         k=100,
-        rtol=1e-4,
-        atol=1e-4,
     )
 
 

@@ -13,7 +13,6 @@ output dtype (about one ulp of the dtype). The logical result is also checked ag
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import equinox as eqx
@@ -35,16 +34,9 @@ from device_model.reference import (
     run_kernel_reference,
 )
 from device_model.runtime import to_device_layout
+from spyre_jax.tools.testing import assert_close, tolerance
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
-
-# reference vs vectorized: both compute in fp32 and round once to the output dtype; only the
-# order of fp32 sums (matmul K, reductions) differs, which moves a result by about one ulp of the
-# output dtype where the fp32 values straddle a rounding boundary.
-ULPISH = {F16: 2e-3, BF16: 8e-3, F32: 1e-5}
-# against jax on CPU (rounds to the dtype after every op): a few ulps, scaled by sqrt(K) and the
-# length of the rounded chain (as in tests/test_ops.py).
-HOST_TOL = {F16: 2e-3, BF16: 1.6e-2, F32: 1e-5}
 
 
 def _arr(shape: tuple[int, ...], dtype: Any, seed: int = 0, kind: str = "normal") -> np.ndarray:
@@ -81,19 +73,13 @@ def _logical(buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _assert_same(vec: np.ndarray, ref: np.ndarray, what: str) -> None:
-    """Vectorized vs reference: bitwise for integers and bool, about one ulp for floats."""
-    assert vec.shape == ref.shape and vec.dtype == ref.dtype, (what, vec.shape, ref.shape)
-    if vec.dtype.kind in "biu":
-        np.testing.assert_array_equal(vec, ref, err_msg=what)
-        return
-    a, b = vec.astype(np.float32), ref.astype(np.float32)
-    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"{what}: NaN positions")
-    rtol = ULPISH[vec.dtype]
-    # where a sum cancelled, its rounding error is an ulp of the terms, not of the result:
-    # allow a tenth of the tolerance at the output's scale
-    fin = np.abs(b[np.isfinite(b)])
-    atol = 0.1 * rtol * float(fin.max()) if fin.size else 0.0
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, equal_nan=True, err_msg=what)
+    """Vectorized vs reference: bitwise for integers and bool; for floats the oracle's one-op
+    tolerance (both compute in fp32 and round once to the output dtype; only the order of fp32
+    sums differs, which moves a result by about one ulp where the fp32 values straddle a rounding
+    boundary), with atol a tenth of it: where a sum cancelled, its rounding error is an ulp of
+    the terms, not of the result, so a tenth of the tolerance at the output's scale."""
+    rtol, _ = tolerance(vec.dtype)
+    assert_close(vec, ref, atol=0.1 * rtol, err_msg=what)
 
 
 def _check(
@@ -117,16 +103,8 @@ def _check(
     want = jax.tree_util.tree_leaves(eqx.filter_jit(f)(*xs))
     assert len(want) == len(ref)
     for name, r, w in zip(kern.outputs, ref, want, strict=True):
-        w = np.asarray(w)
         got = _logical(r, decls[name].layout.shape)
-        assert got.shape == w.shape, (got.shape, w.shape)
-        if w.dtype.kind in "biu":
-            np.testing.assert_array_equal(got, w)
-        else:
-            tol = HOST_TOL[np.dtype(w.dtype)] * math.sqrt(max(k, 1)) * chain
-            np.testing.assert_allclose(
-                got.astype(np.float32), w.astype(np.float32), rtol=tol, atol=tol, equal_nan=True
-            )
+        assert_close(got, w, k=k, chain=chain, err_msg=f"output {name} against the host")
     return kern, ref
 
 

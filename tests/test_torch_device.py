@@ -17,25 +17,16 @@ from conftest import torch_rand as _rand
 
 import spyre_jax
 from device_model.runtime import runtime
+from spyre_jax.tools.testing import assert_close
 from torch_bridge import device as dev
 from torch_bridge import storage
 from torch_bridge.backend import SpyreFallbackWarning
 
-# fp32: the card computes in fp32 (sums in another order); fp16: each store rounds to fp16
-TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
-
 
 def _close(got: torch.Tensor, want: torch.Tensor, k: int = 1) -> None:
+    """A result on the spyre device against eager CPU (the oracle of spyre_jax.tools.testing)."""
     assert got.device.type == "spyre"
-    got, want = got.detach().cpu(), want.detach()
-    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
-    if not want.dtype.is_floating_point:
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-        return
-    rt, at = TOL[want.dtype]
-    s = k**0.5
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    torch.testing.assert_close(got.float(), want.float(), rtol=rt * s, atol=at * s * scale)
+    assert_close(got, want, k=k)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -502,7 +493,7 @@ def test_torch_compile_on_spyre_inputs():
         m.to("spyre")
         got = torch.compile(m, backend="spyre", dynamic=False)(x.to("spyre"))
     assert got.device.type == "spyre"  # stayed on the card: no host round trip
-    torch.testing.assert_close(got.cpu(), want, rtol=2e-5, atol=2e-5)
+    assert_close(got, want)
 
 
 def test_complex_on_spyre_is_a_type_error_not_a_crash():
@@ -532,7 +523,7 @@ def test_plain_torch_compile_on_spyre_tensors_runs_on_the_card():
         got = torch.compile(m.to("spyre"))(x.to("spyre"))
     assert got.device.type == "spyre"
     assert tb.compile_stats()["graphs"] == 1 and tb.fallback_stats() == {}
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+    assert_close(got, want)
     # graphs of CPU tensors still go to Inductor
     cpu = torch.compile(lambda a: a * 2 + 1)(torch.ones(3))
     torch.testing.assert_close(cpu, torch.full((3,), 3.0))

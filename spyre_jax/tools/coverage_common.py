@@ -8,10 +8,12 @@ guard, the worker processes that isolate crashes, and the text table.
 
 Every sample is classified as
 
-- ``passed``: same result within tolerance: ``rtol = atol / scale = 1e-4`` for float32 and
-  ``2e-2`` for float16/bfloat16 (``scale`` = the largest finite magnitude of the expected
-  output, at least 1: the card sums in another order, with fp32 accumulation), exact for
-  integers and bools;
+- ``passed``: same result within tolerance: the test oracle's
+  (:mod:`spyre_jax.tools.oracle`) table at ``k = UNKNOWN_K`` (a sample's reductions are not
+  known: it is checked as one reduction of 100 terms, the table times 10), ``rtol = atol /
+  scale`` = 1e-4 for float32, 2e-2 for float16, 1.6e-1 for bfloat16 (``scale`` = the largest
+  finite magnitude of the expected output, at least 1: the card sums in another order, with
+  fp32 accumulation, and rounds where it stores), exact for integers and bools;
 - ``wrong``: a result that differs (shape, dtype class, structure or values);
 - ``unsupported``: the compiler refused it: ``UnsupportedPrimitiveError``, ``LoweringError``,
   ``TilingError``, or a ``TypeError`` naming a dtype the card does not have (through Dynamo's
@@ -50,6 +52,9 @@ import numpy as np
 
 from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
 
+from .oracle import TOLERANCES, UNKNOWN_K, compare
+from .oracle import dtype_name as _dtype_name
+
 __all__ = [
     "STATUSES",
     "MAX_ELEMENTS",
@@ -71,8 +76,9 @@ STATUSES = ("passed", "wrong", "unsupported", "error", "skipped")
 #: samples with more tensor elements than this (all inputs together) are skipped
 MAX_ELEMENTS = 100_000
 
-#: rtol (and atol relative to the output's magnitude) by the expected output's dtype name
-TOLERANCE = {"float32": 1e-4, "float64": 1e-4, "float16": 2e-2, "bfloat16": 2e-2}
+#: rtol (and atol relative to the output's magnitude) by the expected output's dtype name: the
+#: oracle's table (:data:`spyre_jax.tools.oracle.TOLERANCES`) at ``k = UNKNOWN_K``
+TOLERANCE = {name: TOLERANCES[name] * UNKNOWN_K**0.5 for name in TOLERANCES}
 
 _NOTES_PER_OP = 3  # distinct non-pass reasons kept per op and path
 
@@ -259,58 +265,16 @@ class Book:
 # comparing with the reference
 
 
-def _tol(dtype_name: str) -> float | None:
-    """rtol for a floating dtype name; None for exact (ints, bools)."""
-    if dtype_name in TOLERANCE:
-        return TOLERANCE[dtype_name]
-    if "float" in dtype_name or "complex" in dtype_name:
-        return 1e-4
-    return None
-
-
-_PART = {"complex64": "float32", "complex128": "float64"}  # the dtype of a complex's parts
-
-
 def close_np(got: np.ndarray, want: np.ndarray, dtype_name: str | None = None) -> str | None:
-    """None when ``got`` matches ``want`` (tolerance by ``dtype_name``, default ``want``'s
-    dtype), else why not."""
-    if got.shape != want.shape:
-        return f"shape {got.shape} != {want.shape}"
-    if want.dtype.kind == "c" or got.dtype.kind == "c":
-        g, w = got.astype(np.complex128), want.astype(np.complex128)
-        for part, a, b in (("real", g.real, w.real), ("imag", g.imag, w.imag)):
-            why = close_np(a, b, dtype_name or _PART.get(want.dtype.name, "float64"))
-            if why is not None:
-                return f"{part} part: {why}"
-        return None
-    rt = _tol(dtype_name or want.dtype.name)
-    if rt is None:
-        if got.dtype.kind in "fc":
-            return f"dtype {got.dtype} for an expected {want.dtype}"
-        if not np.array_equal(got.astype(np.int64), want.astype(np.int64)):
-            bad = int(np.sum(got.astype(np.int64) != want.astype(np.int64)))
-            return f"{bad}/{want.size} elements differ (exact {want.dtype})"
-        return None
-    g = np.asarray(got, dtype=np.float64)
-    w = np.asarray(want, dtype=np.float64)
-    nan_g, nan_w = np.isnan(g), np.isnan(w)
-    if not np.array_equal(nan_g, nan_w):
-        return f"NaN in {int(np.sum(nan_g != nan_w))} positions where the other has none"
-    fin = np.isfinite(w)
-    if not np.array_equal(g[~fin & ~nan_w], w[~fin & ~nan_w]):
-        return "infinities differ"
-    if not fin.any():
-        return None
-    scale = max(1.0, float(np.max(np.abs(w[fin]))))
-    err = np.abs(g[fin] - w[fin])
-    lim = rt * scale + rt * np.abs(w[fin])
-    if np.any(~np.isfinite(g[fin])) or np.any(err > lim):
-        i = int(np.argmax(err - lim))
-        return (
-            f"max abs error {float(np.max(err)):.3g} (tol {rt:g} x scale {scale:.3g}); "
-            f"got {float(g[fin][i]):.6g} want {float(w[fin][i]):.6g}"
-        )
-    return None
+    """None when ``got`` matches ``want``, else why not: the oracle's
+    :func:`~spyre_jax.tools.oracle.compare` at ``k = UNKNOWN_K``, by the dtype ``dtype_name``
+    (default ``want``'s; a float dtype the table lacks is met at float32's), a dtype of the same
+    class passing (float32 for an expected float16 is not wrong), exact for integers and bools,
+    complex values part by part."""
+    name = _dtype_name(dtype_name or want.dtype)
+    if name not in TOLERANCES and "float" in name:
+        name = "float32"
+    return compare(got, want, k=UNKNOWN_K, dtype=name, check_dtype=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from spyre_jax.tools.oracle import UNKNOWN_K, tolerance
 from spyre_jax.tools.testing import PATHS, FrontendGraphsDiffer, assert_frontends_agree
 
 __all__ = [
@@ -87,10 +88,13 @@ MAX_ELEMENTS = 8 * 1_048_576
 #: per-code-object cache entries past ``torch._dynamo.reset()``; every program is the same ``fn``
 #: code), and with it the kernel's XLA executable, about 2 MB a program
 CLEAR_EVERY = 100
-#: tolerances for a program's output (rtol, and atol relative to the output's largest magnitude;
-#: see ``assert_frontends_agree``). 2e-4, not the fp32 default 1e-4: matmuls of matmuls of random
-#: data and reductions feeding reductions grow the summation-order differences of each step.
-RTOL = ATOL = 2e-4
+#: the tolerances for a program's output: the test oracle's (:mod:`spyre_jax.tools.oracle`) at
+#: ``k = UNKNOWN_K`` (a program's reductions are not known) and ``chain = CHAIN``: 2, not 1,
+#: since matmuls of matmuls of random data and reductions feeding reductions grow the
+#: summation-order differences of each step (a float32 output: rtol = atol / its largest
+#: magnitude = 2e-4, twice the fp32 default of ``assert_frontends_agree``)
+CHAIN = 2
+RTOL, ATOL = tolerance("float32", k=UNKNOWN_K, chain=CHAIN)
 
 
 class Case(NamedTuple):
@@ -211,7 +215,7 @@ def run_program(case: Case | tuple) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FrontendGraphsDiffer)
         assert_frontends_agree(
-            _emit(case.prog, "jax"), _emit(case.prog, "torch"), x, row, w, rtol=RTOL, atol=ATOL
+            _emit(case.prog, "jax"), _emit(case.prog, "torch"), x, row, w, k=UNKNOWN_K, chain=CHAIN
         )
 
 

@@ -1,4 +1,5 @@
-"""Differential testing across frontends: one model written in JAX and in PyTorch, four paths.
+"""Differential testing across frontends: one model written in JAX and in PyTorch, four paths;
+and the test oracle every test and tool compares numbers with.
 
 :func:`assert_frontends_agree` runs ``jax.jit`` on the CPU, torch eager on the CPU,
 ``spyre_jax.jit`` on the card and ``torch.compile(backend="spyre")`` on the card on the same
@@ -7,15 +8,19 @@ example inputs, compares every pair, and compares the two graph IRs the card pat
 equinox twin (Linear, LayerNorm, Embedding, MLP, MultiheadAttention), so a model written twice can
 be checked.
 
-Default tolerances (``rtol`` and ``atol``, the latter relative to the reference's largest
-magnitude), by the output's dtype, from the card's precision:
+The oracle (:mod:`spyre_jax.tools.oracle`, re-exported here): one tolerance table by dtype
+(:data:`TOLERANCES`: float16 2e-3, bfloat16 1.6e-2, float32 1e-5 for one rounded op; integers and
+bools exact), one scaling rule (:func:`tolerance`: ``* sqrt(k) * chain`` for a reduction of length
+``k`` and ``chain`` ops the reference rounds one by one), and the comparisons
+:func:`assert_close` / :func:`assert_tree_close` / :func:`compare` over NumPy, JAX,
+``spyre_jax.Array`` and torch (CPU or ``spyre``) values. The oracle module's docstring gives the
+reasons for each number.
 
-* float32 -- 1e-4: the card computes fp32 with fp32 accumulation; results differ from the CPU only
-  by summation order (~1e-7 per add), which long reductions grow to ~1e-5;
-* float16 -- 1e-2: one fp16 ulp is 2^-10 ~ 1e-3 relative, and the card rounds at other points than
-  the CPU does (fused SFU chains keep fp32 inside, the CPU rounds every op), so a few ulps differ;
-* bfloat16 -- 5e-2: one bf16 ulp is 2^-7 ~ 8e-3, same reasoning;
-* integers and bools -- exact.
+Default tolerances of :func:`assert_frontends_agree` (``rtol`` and ``atol``, the latter relative
+to the reference's largest magnitude, at least 1), by the output's dtype: the table at
+``k = UNKNOWN_K`` (100: a whole program, whose reductions the tool does not know, is checked as
+one reduction of 100 terms), i.e. :data:`DEFAULT_TOLERANCES`: float32 1e-4, float16 2e-2,
+bfloat16 1.6e-1; integers and bools exact. ``k=``/``chain=`` or ``rtol=``/``atol=`` override.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
@@ -40,6 +44,17 @@ from lowering.graph import format_graph
 from lowering.pipeline import graph_passes
 from torch_bridge import backend as tb
 
+from .oracle import (
+    TOLERANCES,
+    UNKNOWN_K,
+    assert_close,
+    assert_tree_close,
+    compare,
+    dtype_name,
+    to_numpy,
+    tolerance,
+)
+
 __all__ = [
     "assert_frontends_agree",
     "FrontendReport",
@@ -48,9 +63,21 @@ __all__ = [
     "DEFAULT_TOLERANCES",
     "eqx_from_torch",
     "torch_from_eqx",
+    # the oracle (spyre_jax.tools.oracle)
+    "TOLERANCES",
+    "UNKNOWN_K",
+    "tolerance",
+    "dtype_name",
+    "to_numpy",
+    "compare",
+    "assert_close",
+    "assert_tree_close",
 ]
 
-DEFAULT_TOLERANCES = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+#: :func:`assert_frontends_agree`'s default rtol (= atol relative to the output's magnitude) by
+#: dtype name: the oracle's table at ``k = UNKNOWN_K`` (float32 1e-4, float16 2e-2, bfloat16
+#: 1.6e-1)
+DEFAULT_TOLERANCES = {name: tolerance(name, k=UNKNOWN_K)[0] for name in TOLERANCES}
 
 PATHS = ("jax.jit (cpu)", "torch eager (cpu)", "spyre_jax.jit (card)", "torch.compile spyre (card)")
 
@@ -95,13 +122,7 @@ def _np_leaves(x: Any) -> list[np.ndarray]:
     return out
 
 
-def _to_np(t: Any) -> np.ndarray:
-    if isinstance(t, torch.Tensor):
-        t = t.detach().cpu()
-        if t.dtype == torch.bfloat16:
-            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.contiguous().numpy()
-    return np.asarray(t)
+_to_np = to_numpy
 
 
 def _torch_leaves(x: Any) -> list[np.ndarray]:
@@ -158,52 +179,37 @@ def _run_paths(jax_fn: Any, torch_fn: Any, inputs: list[np.ndarray]) -> tuple[di
 # comparing
 
 
-def _tol(dtype: np.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
-    d = DEFAULT_TOLERANCES.get(np.dtype(dtype).name, 0.0)
-    return (d if rtol is None else rtol), (d if atol is None else atol)
-
-
-def _compare(a: np.ndarray, b: np.ndarray, rtol: float | None, atol: float | None) -> dict:
+def _compare(
+    a: np.ndarray,
+    b: np.ndarray,
+    rtol: float | None,
+    atol: float | None,
+    k: int = UNKNOWN_K,
+    chain: int = 1,
+) -> dict:
+    """A table row for output ``a`` against the reference ``b``; whether it passes is the
+    oracle's :func:`compare` (the errors beside it are for the reader)."""
+    why = compare(a, b, k=k, chain=chain, rtol=rtol, atol=atol)
+    # the errors columns show a value beyond tolerance; other failures (shape, dtype, NaN) a note
+    note = "" if why is None or "beyond tolerance" in why else why.split(";")[0]
+    row: dict[str, Any] = {"ok": why is None, "note": note}
     if a.shape != b.shape:
-        return {
-            "ok": False,
-            "max_abs": float("nan"),
-            "max_rel": float("nan"),
-            "where": "-",
-            "note": f"shapes {a.shape} vs {b.shape}",
-        }
-    kind = np.dtype(a.dtype).kind
-    if kind in "biu" or np.dtype(b.dtype).kind in "biu":
+        return {**row, "max_abs": float("nan"), "max_rel": float("nan"), "where": "-"}
+    if np.dtype(a.dtype).kind in "biu" or np.dtype(b.dtype).kind in "biu":
         diff = a.astype(np.int64) != b.astype(np.int64)
         n = int(diff.sum())
         where = tuple(int(i) for i in np.argwhere(diff)[0]) if n else "-"
-        return {
-            "ok": n == 0,
-            "max_abs": float(n),
-            "max_rel": 0.0,
-            "where": where,
-            "note": f"{n} differ" if n else "",
-        }
+        return {**row, "max_abs": float(n), "max_rel": 0.0, "where": where}
+    if not a.size:
+        return {**row, "max_abs": 0.0, "max_rel": 0.0, "where": "-"}
     x, y = a.astype(np.float32), b.astype(np.float32)
-    rt, at = _tol(a.dtype, rtol, atol)
-    scale = max(1.0, float(np.nanmax(np.abs(y)))) if y.size else 1.0
     d = np.abs(x - y)
     d = np.where(np.isnan(x) & np.isnan(y), 0.0, d)
     d = np.where(np.isnan(x) ^ np.isnan(y), np.inf, d)
     rel = d / np.maximum(np.abs(y), 1e-30)
-    bad = d > at * scale + rt * np.abs(y)
-    if not d.size:
-        return {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "where": "-"}
-    k = int(np.argmax(np.where(bad, d, -1.0))) if bad.any() else int(np.argmax(d))
-    where = tuple(int(i) for i in np.unravel_index(k, d.shape)) if d.ndim else ()
-    note = "" if a.dtype == b.dtype else f"dtypes {a.dtype} vs {b.dtype}"
-    return {
-        "ok": not bool(bad.any()) and not note,
-        "max_abs": float(d.max()),
-        "max_rel": float(rel.max()),
-        "where": where,
-        "note": note,
-    }
+    i = int(np.argmax(d))
+    where = tuple(int(j) for j in np.unravel_index(i, d.shape)) if d.ndim else ()
+    return {**row, "max_abs": float(d.max()), "max_rel": float(rel.max()), "where": where}
 
 
 def canonical_graph(graph: Any) -> str:
@@ -290,6 +296,8 @@ def assert_frontends_agree(
     *example_inputs: Any,
     rtol: float | None = None,
     atol: float | None = None,
+    k: int = UNKNOWN_K,
+    chain: int = 1,
     check_graphs: str = "warn",
 ) -> FrontendReport:
     """Run ``jax_fn`` and ``torch_fn`` on ``example_inputs`` (NumPy arrays, converted for each
@@ -298,7 +306,9 @@ def assert_frontends_agree(
 
     Raises ``AssertionError`` whose message is a table of the pairs (max abs/rel error, where,
     whether within tolerance) when any pair disagrees or a path fails. Tolerances default per
-    dtype (:data:`DEFAULT_TOLERANCES`, see the module docstring). The two card paths' graph IRs
+    dtype: the oracle's :func:`tolerance` at ``k`` (the longest reduction, default
+    :data:`UNKNOWN_K`) and ``chain`` (:data:`DEFAULT_TOLERANCES` at the defaults; see the
+    module docstring); ``rtol``/``atol`` override them. The two card paths' graph IRs
     are compared after canonicalization (:func:`canonical_graph`); when they differ, a readable
     diff is attached: as a :class:`FrontendGraphsDiffer` warning (``check_graphs="warn"``), in the
     AssertionError (``"raise"``), or not at all (``"off"``). Returns a :class:`FrontendReport`.
@@ -327,7 +337,7 @@ def assert_frontends_agree(
                 continue
             for k, (xa, xb) in enumerate(zip(oa, ob, strict=True)):
                 # the reference of a pair is its first path (the CPU ones come first)
-                row = _compare(xb, xa, rtol, atol)
+                row = _compare(xb, xa, rtol, atol, k, chain)
                 report.rows.append({"a": a, "b": b, "output": k, **row})
     if jgraph is not None and tgraph is not None and check_graphs != "off":
         ja, tb_ = canonical_graph(jgraph), canonical_graph(tgraph)
@@ -349,7 +359,9 @@ def assert_frontends_agree(
         if check_graphs == "warn":
             warnings.warn(msg_graph.strip(), FrontendGraphsDiffer, stacklevel=2)
     if not report.ok or (check_graphs == "raise" and report.graph_diff):
-        tol = "per-dtype defaults" if rtol is None and atol is None else f"rtol={rtol} atol={atol}"
+        tol = f"per-dtype, k={k} chain={chain}"
+        if rtol is not None or atol is not None:
+            tol = f"rtol={rtol} atol={atol}"
         raise AssertionError(
             f"frontends disagree ({tol}):\n{report.table()}"
             + (msg_graph if check_graphs == "raise" or not report.ok else "")
