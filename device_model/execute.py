@@ -394,7 +394,7 @@ def _mode(stage: Stage) -> str:
     if split is None:
         return "plain"
     body = stage.body[0][2][0]
-    return "carry" if body.reduce in ("cumsum", "cumsum_rev") else "acc"
+    return "carry" if body.reduction.scan else "acc"
 
 
 class _StepCtx:
@@ -507,7 +507,7 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     part = ops.run_map_partial(
         jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split, coord
     )
-    if body.reduce in ("argmax", "argmin"):
+    if body.reduction.index_of:
         acc = None if first is True else (bufs.read("acc", 0), bufs.read("acci", 0))
         v, i = ops.combine_partial(jnp, body.reduce, acc, part, first)
         bufs.write("acc", 0, v)
@@ -541,7 +541,7 @@ def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
             r = matmul_ops.run_epilogue(jnp, params, r, tiles, dts, out.block, space, cx.dl16)
         return r
     body = params[0]
-    if body.reduce in ("argmax", "argmin"):
+    if body.reduction.index_of:
         r = bufs.read("acci", 0)
     else:
         r = bufs.read("acc", 0)

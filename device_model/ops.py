@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .layout import FLOAT_DTYPES, np_dtype
+from .reductions import REDUCTIONS, Reduce, Reduction, identity_value
 
 __all__ = [
     "InputView",
@@ -33,6 +34,9 @@ __all__ = [
     "SplitReduce",
     "ELEMENTWISE",
     "ROW_REDUCTIONS",
+    "Reduce",
+    "Reduction",
+    "REDUCTIONS",
     "TRANSCENDENTAL",
     "compute_dtype",
     "widen",
@@ -44,6 +48,7 @@ __all__ = [
     "finish_partial",
     "cumsum_carry",
     "reduce_identity",
+    "identity_value",
     "run_concat",
     "fit",
 ]
@@ -88,9 +93,9 @@ class MapBody:
     is the op's logical result dtype. An op is ``const`` (param: the value), a name from
     :data:`ELEMENTWISE`, or an in-program reduction from :data:`ROW_REDUCTIONS` (param: the
     space axes reduced, kept with size 1 so that later ops broadcast the result along them; it
-    accumulates in the compute type, as the final reduction does). ``reduce`` is "", or one of
-    sum, max, min, prod, argmax, argmin (over ``reduce_axes``; argmax/argmin over one axis) or
-    cumsum/cumsum_rev (one axis, shape kept).
+    accumulates in the compute type, as the final reduction does). ``reduce`` is "", or a
+    :class:`Reduce` kind over ``reduce_axes`` (:data:`REDUCTIONS` says which take one axis and
+    which keep the shape).
     """
 
     space: tuple[int, ...]
@@ -100,13 +105,18 @@ class MapBody:
     reduce_axes: tuple[int, ...]
     out_dtype: str
 
+    @property
+    def reduction(self) -> Reduction | None:
+        """The final reduction's entry in :data:`REDUCTIONS` (None: the map reduces nothing)."""
+        return REDUCTIONS[self.reduce] if self.reduce else None
+
     def program_reduce_axes(self) -> frozenset[int]:
         """The space axes some in-program reduction reduces (they stay whole in a block)."""
         return frozenset(a for op, _, p, _ in self.program if op in ROW_REDUCTIONS for a in p)
 
     def out_space_dims(self) -> tuple[int, ...]:
         """The space dims the output keeps, in order."""
-        if self.reduce in ("", "cumsum", "cumsum_rev"):
+        if not self.reduce or self.reduction.scan:
             return tuple(range(len(self.space)))
         return tuple(d for d in range(len(self.space)) if d not in self.reduce_axes)
 
@@ -584,25 +594,7 @@ def run_program(
 
 
 def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
-    ax = tuple(1 + a for a in axes)
-    if kind == "sum":
-        return xp.sum(x, axis=ax, dtype=x.dtype)
-    if kind == "prod":
-        return xp.prod(x, axis=ax, dtype=x.dtype)
-    if kind == "max":
-        return xp.max(x, axis=ax)
-    if kind == "min":
-        return xp.min(x, axis=ax)
-    if kind in ("argmax", "argmin"):
-        (a,) = ax
-        f = xp.argmax if kind == "argmax" else xp.argmin
-        return f(x, axis=a).astype(np.int32)
-    if kind in ("cumsum", "cumsum_rev"):
-        (a,) = ax
-        if kind == "cumsum_rev":
-            return xp.flip(xp.cumsum(xp.flip(x, axis=a), axis=a, dtype=x.dtype), axis=a)
-        return xp.cumsum(x, axis=a, dtype=x.dtype)
-    raise ValueError(f"unknown reduction {kind}")
+    return REDUCTIONS[kind].whole(xp, x, axes)
 
 
 def map_values(
@@ -644,23 +636,9 @@ def run_map(
 
 def reduce_identity(kind: str, dtype: Any) -> Any:
     """The value a reduction of ``kind`` gives over no elements, in ``dtype`` (a NumPy dtype):
-    sum 0, prod 1, max the lowest value (-inf for floats), min the highest. argmax/argmin have
-    none; their masked elements take the max's/min's identity (they never win a tie: the
-    first index does)."""
-    dt = np.dtype(dtype)
-    if kind in ("sum", "cumsum", "cumsum_rev"):
-        return np.zeros((), dt)[()]
-    if kind == "prod":
-        return np.ones((), dt)[()]
-    low = kind in ("max", "argmax")
-    if kind not in ("max", "min", "argmax", "argmin"):
-        raise ValueError(f"unknown reduction {kind}")
-    if dt == np.bool_:
-        return np.bool_(not low)
-    if dt.kind in "iu":
-        info = np.iinfo(dt)
-        return dt.type(info.min if low else info.max)
-    return dt.type(-np.inf if low else np.inf)
+    :meth:`Reduction.identity_value` (argmax/argmin: their values' identity, so a masked
+    element never wins a tie; the first index does)."""
+    return REDUCTIONS[kind].identity_value(dtype)
 
 
 def _split_mask(xp: Any, split: SplitReduce, n: int, ndim: int, coord: Any) -> Any:
@@ -692,13 +670,12 @@ def run_map_partial(
     valid = _split_mask(xp, split, space_block[split.axis], r.ndim, coord)
     fill = reduce_identity(kind, r.dtype)
     r = xp.where(valid, r, xp.asarray(fill, dtype=r.dtype))
-    if kind in ("cumsum", "cumsum_rev"):
-        return _reduce(xp, r, kind, body.reduce_axes)
-    if kind in ("argmax", "argmin"):
-        vals = _reduce(xp, r, "max" if kind == "argmax" else "min", body.reduce_axes)
-        idx = _reduce(xp, r, kind, body.reduce_axes) + (coord * split.block)
+    red = REDUCTIONS[kind]
+    if red.index_of:
+        vals = _reduce(xp, r, red.index_of, body.reduce_axes)
+        idx = red.whole(xp, r, body.reduce_axes) + (coord * split.block)
         return vals, idx.astype(np.int32)
-    return _reduce(xp, r, kind, body.reduce_axes)
+    return red.whole(xp, r, body.reduce_axes)
 
 
 def combine_partial(xp: Any, kind: str, acc: Any, part: Any, first: Any) -> Any:
@@ -707,25 +684,19 @@ def combine_partial(xp: Any, kind: str, acc: Any, part: Any, first: Any) -> Any:
     indices; a later block wins only when strictly better, or NaN against a number)."""
     if first is True:
         return part
-    if kind in ("argmax", "argmin"):
+    red = REDUCTIONS[kind]
+    if red.index_of:
         (av, ai), (pv, pi) = acc, part
-        better = pv > av if kind == "argmax" else pv < av
+        better = pv > av if red.index_of == "max" else pv < av
         if np.dtype(pv.dtype).kind == "f":
             better = better | (xp.isnan(pv) & ~xp.isnan(av))
         new = (xp.where(better, pv, av), xp.where(better, pi, ai))
         if first is False:
             return new
         return (xp.where(first, pv, new[0]), xp.where(first, pi, new[1]))
-    if kind == "sum":
-        new = acc + part
-    elif kind == "prod":
-        new = acc * part
-    elif kind == "max":
-        new = xp.maximum(acc, part)
-    elif kind == "min":
-        new = xp.minimum(acc, part)
-    else:
-        raise ValueError(f"unknown reduction {kind}")
+    if red.combine is None:
+        raise ValueError(f"a {kind} keeps no accumulator to combine")
+    new = red.combine(xp, acc, part)
     if first is False:
         return new
     return xp.where(first, part, new)
@@ -733,7 +704,7 @@ def combine_partial(xp: Any, kind: str, acc: Any, part: Any, first: Any) -> Any:
 
 def finish_partial(kind: str, acc: Any) -> Any:
     """The reduction's result from its accumulator (the index, for argmax/argmin)."""
-    return acc[1] if kind in ("argmax", "argmin") else acc
+    return acc[1] if REDUCTIONS[kind].index_of else acc
 
 
 def cumsum_carry(xp: Any, local: Any, carry: Any, first: Any, split: SplitReduce) -> Any:

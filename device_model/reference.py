@@ -206,13 +206,13 @@ def _compute(
         coord = kpos if not split.reverse else split.nk - 1 - kpos
         part = ops.run_map_partial(np, body, tiles, dts, tuple(space_block), 1, split, coord)
         first, last = bool(stage.first[t]), bool(stage.last[t])
-        if body.reduce in ("cumsum", "cumsum_rev"):
+        if body.reduction.scan:
             carry = None if first else sp.read("acc", 0)[None]
             res, carry = ops.cumsum_carry(np, part, carry, first, split)
             sp.write("acc", 0, carry[0])
             write_result(ops.narrow(np, res, body.out_dtype, dl16))
             return
-        if body.reduce in ("argmax", "argmin"):
+        if body.reduction.index_of:
             acc = None if first else (sp.read("acc", 0)[None], sp.read("acci", 0)[None])
             v, i = ops.combine_partial(np, body.reduce, acc, part, first)
             sp.write("acc", 0, v[0])

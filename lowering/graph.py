@@ -7,7 +7,7 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
 * ``broadcast`` (``shape``, ``dims``: jax's broadcast_in_dim), ``transpose`` (``perm``),
   ``slice`` (``starts``, ``limits``, ``strides``), ``reshape`` (``shape``), ``concatenate``
   (``axis``) — the layout and movement ops,
-* ``reduce`` (``kind``: sum, max, min, prod, argmax, argmin, cumsum, cumsum_rev; ``axes``),
+* ``reduce`` (``kind``: a ``device_model.ops.Reduce``; ``axes``),
 * ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``; with
   ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight);
   after fusion, ``epilogue`` (a MapBody over ``[B, M, N]``, elementwise) applied to the product
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from device_model.layout import check_dtype
-from device_model.ops import ELEMENTWISE, InputView, MapBody
+from device_model.ops import ELEMENTWISE, REDUCTIONS, InputView, MapBody
 
 __all__ = ["Var", "Node", "Graph", "GraphError", "check_graph", "format_graph", "infer"]
 
@@ -180,14 +180,14 @@ def _r_concat(n: Node) -> list:
 def _r_reduce(n: Node) -> list:
     (x,) = n.inputs
     kind, axes = n.p("kind"), n.p("axes")
+    _need(kind in REDUCTIONS, f"unknown reduction kind {kind!r}")
+    red = REDUCTIONS[kind]
     _need(all(0 <= a < len(x.shape) for a in axes), f"reduce axes {axes} out of range")
-    if kind in ("cumsum", "cumsum_rev"):
+    _need(not red.one_axis or len(axes) == 1, f"{kind} over one axis")
+    if red.scan:
         return [(x.shape, x.dtype)]
     shape = tuple(s for i, s in enumerate(x.shape) if i not in axes)
-    if kind in ("argmax", "argmin"):
-        _need(len(axes) == 1, f"{kind} over one axis")
-        return [(shape, "int32")]
-    return [(shape, x.dtype)]
+    return [(shape, red.out_dtype(x.dtype))]
 
 
 def matmul_inputs(n: Node) -> tuple[Var, Var, tuple[Var, ...], tuple[Var, ...]]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from device_model.card import CardSpec
 from device_model.layout import layout_for, np_dtype
-from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
+from device_model.ops import REDUCTIONS, ROW_REDUCTIONS, InputView, MapBody
 
 from .graph import Graph, Node, Var, params
 
@@ -159,20 +159,8 @@ def _single(n: Node, card: CardSpec) -> Node | None:
 def _identity(kind: str, dtype: str) -> np.ndarray | None:
     """The value a reduction of ``kind`` gives over no elements (as ``lax.reduce_*`` does), or
     None when it has none (argmax of nothing)."""
-    dt = np_dtype(dtype)
-    if kind in ("sum", "cumsum", "cumsum_rev"):
-        return np.zeros((), dt)
-    if kind == "prod":
-        return np.ones((), dt)
-    if kind in ("max", "min"):
-        big = kind == "min"
-        if dtype == "bool":
-            return np.asarray(big, dt)
-        if dtype == "int32":
-            info = np.iinfo(np.int32)
-            return np.asarray(info.max if big else info.min, dt)
-        return np.asarray(np.inf if big else -np.inf, dt)
-    return None
+    red = REDUCTIONS[kind]
+    return None if red.index_of else np.asarray(red.identity_value(np_dtype(dtype)))
 
 
 def fold_empty(g: Graph) -> Graph:

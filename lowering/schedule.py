@@ -40,13 +40,13 @@ from device_model.card import CardSpec
 from device_model.kernel import Kernel, Operand, Stage, TensorDecl
 from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.ops import (
+    REDUCTIONS,
     ConcatBody,
     GatherBody,
     InputView,
     MapBody,
     ReshapeBody,
     compute_dtype,
-    reduce_identity,
 )
 from device_model.progress import Progress
 from device_model.timing import stage_cost
@@ -59,7 +59,6 @@ from .prologue import unfuse_prologue
 from .tile_map import _map_general
 from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
 from .tiling import (
-    _REDUCTIONS,
     _STEP_OVERHEAD_S,
     _cands,
     _choose,
@@ -126,7 +125,7 @@ def _map_stage_whole(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
     sticks (64 fp16), and a reduction over long rows then needs that many full input rows in
     the scratchpad at once. When that does not fit, the reduction writes a temp with a trailing
     size-1 dim instead (one element per stick, as the card's own stick-dim reductions do): its
-    rows are no longer the stick dim and tile one by one. A second, copy stage packs the temp
+    rows are not the stick dim and tile one by one. A second, copy stage packs the temp
     into the output's layout. With ``dry`` only the tiling is chosen (TilingError when none fits)
     and no stage is returned.
     """
@@ -139,7 +138,7 @@ def _map_stage_whole(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
         st = _map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source, dry)
         return [st] if st is not None else []
     except TilingError as err:
-        if body.reduce not in _REDUCTIONS or not out_lay.shape:
+        if not body.reduction or body.reduction.scan or not out_lay.shape:
             raise
         first_err = err
     shape, dt = out_lay.shape, out_lay.dtype
@@ -197,7 +196,7 @@ def _map_plan(
     out_dims = body.out_space_dims()
     reduced = (
         set(range(r)) - set(out_dims)
-        if body.reduce not in ("cumsum", "cumsum_rev")
+        if not (body.reduction and body.reduction.scan)
         else set(body.reduce_axes)
     ) | body.program_reduce_axes()
     # which tensors map onto each space dim, and with what device extent
@@ -648,14 +647,14 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
         if 0 not in body.space:
             return None
         kind = body.reduce
-        if kind in ("argmax", "argmin"):
+        if kind and REDUCTIONS[kind].index_of:
             raise TilingError(
                 f"spyre: {kind} over an empty axis has no result"
                 + (f"\n  at: {n.source}" if n.source else "")
             )
-        if kind not in ("sum", "prod", "max", "min"):  # pragma: no cover - the output is empty
+        if not kind or REDUCTIONS[kind].scan:  # pragma: no cover - the output is empty
             raise TilingError(f"spyre: a map over an empty space with a non-empty result: {body}")
-        value = reduce_identity(kind, np_dtype(compute_dtype(n.out.dtype)))
+        value = REDUCTIONS[kind].identity_value(np_dtype(compute_dtype(n.out.dtype)))
         return _fill_stages(ctx, n.out, value.item(), n.source)
     if n.op == "matmul" and n.inputs[0].shape[2] == 0:
         if n.p("prologue") is not None:  # an empty lhs: nothing for the prologue to do

@@ -27,7 +27,6 @@ from device_model.ops import (
 
 from .errors import TilingError
 from .tiling import (
-    _REDUCTIONS,
     _choose_general,
     _Ctx,
     _describe,
@@ -63,8 +62,9 @@ def _map_general(
     """
     needs: list[int] = []
     prog = body.program_reduce_axes()
-    reducing = body.reduce in _REDUCTIONS
-    cum = body.reduce in ("cumsum", "cumsum_rev")
+    red = body.reduction
+    cum = red is not None and red.scan
+    reducing = red is not None and not red.scan
     splits: list[int | None] = [None]
     if reducing or cum:
         axes = [a for a in body.reduce_axes if a not in prog and body.space[a] > 1]
@@ -97,7 +97,7 @@ def _map_general(
                 )
             except _NoFit as e:
                 needs.append(e.need)
-    if reducing and body.reduce not in ("argmax", "argmin") and len(body.reduce_axes) > 1:
+    if reducing and not red.one_axis and len(body.reduce_axes) > 1:
         if not prog:
             return _map_decompose(ctx, body, in_names, in_lays, out_name, out_lay, source, offset)
     raise TilingError(
@@ -199,7 +199,8 @@ def _map_plan_general(
     space = body.space
     r = len(space)
     out_dims = body.out_space_dims()
-    cum = body.reduce in ("cumsum", "cumsum_rev")
+    red = body.reduction
+    cum = red is not None and red.scan
     reduced = set(body.reduce_axes) if body.reduce else set()
     prog = body.program_reduce_axes()
     tileable = {
@@ -247,7 +248,7 @@ def _map_plan_general(
             else:
                 ab = tuple(sb[g] for g in out_dims)
                 accs.append(("acc", ab, acc_dt))
-                if body.reduce in ("argmax", "argmin"):
+                if red is not None and red.index_of:
                     accs.append(("acci", ab, "int32"))
         return sb, ins, ob, ogd, accs
 
@@ -293,7 +294,8 @@ def _map_plan_general(
         space, tuple(views), body.program, body.reduce, body.reduce_axes, body.out_dtype
     )
     if split is not None:
-        sp = SplitReduce(split, bl[split], space[split], grid[split], body.reduce == "cumsum_rev")
+        rev = red is not None and red.reverse
+        sp = SplitReduce(split, bl[split], space[split], grid[split], rev)
         params: tuple = (local_body, sb, sp)
     else:
         params = (local_body, sb)
@@ -304,7 +306,7 @@ def _map_plan_general(
         ctx.ncores,
         reduce_axis=split if split is not None else -1,
         store_every=cum,
-        reverse=body.reduce == "cumsum_rev",
+        reverse=red is not None and red.reverse,
     )
     sfu, flops = _map_work(body, ctx.card)
     return Stage(

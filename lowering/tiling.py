@@ -237,9 +237,6 @@ def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int, stick: in
     return sum(_align(math.prod(b) * DTYPES[d], stick) * slots for b, d in blocks)
 
 
-_REDUCTIONS = frozenset({"sum", "max", "min", "prod", "argmax", "argmin"})
-
-
 #: map-program ops that move or retype data and do no arithmetic (no flops)
 _MOVES = frozenset({"const", "copy", "convert", "select_n"})
 

@@ -13,7 +13,7 @@ Grouped-query attention (fewer key/value heads than query heads) regroups the qu
 over each key head, a view, instead of repeating the keys and values. The additive bias is
 zeros (kept on the device per length) or, for causal masking, the causal triangle; it is also
 what lets the kernel run on a size bucket (:mod:`torch_bridge.buckets`) while the keys grow each
-decode step: its padding is ``-inf`` (:data:`torch_bridge.buckets.MASKED`), so a padded key
+decode step: its padding is ``-inf`` (:mod:`torch_bridge.pad_rules`, MASKED), so a padded key
 gets no weight, and one kernel serves every length of a bucket.
 
 The one-launch path is taken without a mask or dropout, for eager tensors whose inputs need no
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from device_model.runtime import runtime
 
-from . import buckets, eager
+from . import eager, pad_rules
 
 __all__ = ["register", "fast_path"]
 
@@ -135,7 +135,7 @@ def _bias(
     one row per query row): zeros, or with ``causal`` ``-inf`` where query ``i`` may not see
     key ``j`` (``j > i``, PyTorch's ``is_causal``: aligned at the top left; every row sees key
     0, so no row is fully masked). It is also what a size bucket masks: padded past ``lk``
-    with -inf (:data:`torch_bridge.buckets.MASKED`), a padded key gets no weight; a row per
+    with -inf (:mod:`torch_bridge.pad_rules`, MASKED), a padded key gets no weight; a row per
     query row, since a bias of one row would never be padded with the query's rows (a size
     first seen as 1 is a broadcast, never a varying size). Kept on the device per length."""
     key = (groups, lq, lk, causal, dtype, device, runtime())  # a new card: made again
@@ -172,4 +172,4 @@ def register(lib: torch.library.Library) -> None:
     ATTENTION = torch.ops.spyre_jax.attention.default
     own.impl("attention", eager._kernel_for(ATTENTION), "PrivateUse1")
     eager.DECOMPOSITIONS[ATTENTION] = _attention
-    buckets.MASKED["spyre_jax::attention"] = 3
+    pad_rules.register_masked("spyre_jax::attention", 3)

@@ -8,29 +8,24 @@ to 64, then the next power of two (every bucket is a whole number of 128-byte st
 dtype). The number of kernels then grows with log2 of the largest size, not with the number of
 sizes.
 
-Padding never changes a result. The padded inputs are filled so that the positions past each
-tensor's own size are neutral for the op, and the results are cropped back to their sizes:
-
-* pointwise ops (``torch.Tag.pointwise``): every position is its own; the padding's results
-  are cropped away (fill 0);
-* ``mm``/``bmm``: padded rows and columns are cropped; padded positions of the contracted
-  dimension are zero in both operands, so they add nothing;
-* reductions and softmax over a padded dimension: filled with the reduction's identity (0 for a
-  sum, -inf for a max and a softmax, True for ``all``, ...);
-* ``isin`` over a padded first tensor (the tensor of values looked up is never padded);
-* ``mean`` over dimensions that are not padded, ``cumsum`` (a running sum: the padding comes
-  after), ``tril``/``triu``, ``embedding`` (padded indices are 0: a row of the table, cropped).
-  A ``mean`` over a padded dimension (it counts its elements) and every other op run at their
-  exact sizes; ``cat`` runs on a bucket as a data movement (:mod:`torch_bridge.card_cat`).
+Padding never changes a result: the padded inputs are filled so that the positions past each
+tensor's own size are neutral for the op, and the results are cropped back to their sizes.
+Which ops may be padded, and with what fill, is :mod:`torch_bridge.pad_rules`' table (shared
+with the compiled path). Here: pointwise ops, reductions and softmax (the padding of a reduced
+dimension takes the reduction's identity), ``mm``/``bmm``, positional ops, ``isin`` over its
+first tensor, masked ops, and ``mean``/``var`` over dimensions that are not padded (they count
+their elements). Every other op runs at its exact sizes; ``cat`` runs on a bucket as a data
+movement (:mod:`torch_bridge.card_cat`).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
 import torch
+
+from .pad_rules import PadKind, fill_value, rule_of
 
 __all__ = ["bucket", "plan_padding", "dynamic_dims", "varied", "Padding", "reset"]
 
@@ -39,43 +34,18 @@ aten = torch.ops.aten
 #: a dynamic size up to this runs padded to it; above, to the next power of two
 MIN_BUCKET = 64
 
-#: reductions over a padded dimension: the fill that leaves them unchanged
-_IDENTITY: dict[str, str] = {
-    "aten::sum": "zero",
-    "aten::nansum": "zero",
-    "aten::prod": "one",
-    "aten::amax": "lowest",
-    "aten::max": "lowest",
-    "aten::argmax": "lowest",
-    "aten::amin": "highest",
-    "aten::min": "highest",
-    "aten::argmin": "highest",
-    "aten::all": "one",
-    "aten::any": "zero",
-    "aten::logsumexp": "lowest",
-    "aten::_softmax": "lowest",
-    "aten::_log_softmax": "lowest",
-    "aten::softmax": "lowest",
-    "aten::log_softmax": "lowest",
-}
-
-_MATMUL = frozenset({"aten::mm", "aten::bmm"})
-
-#: ops whose results at the tensor's own positions do not depend on the positions past them,
-#: padded at the end of any dimension: a mean over dims that are not padded, a running sum,
-#: a triangle, a row gather (padded indices are 0, a row of the table)
-_POSITIONAL = frozenset(
-    {"aten::mean", "aten::cumsum", "aten::tril", "aten::triu", "aten::embedding"}
+#: the classes of :mod:`torch_bridge.pad_rules` an eager one-op kernel runs padded
+_PADDED = frozenset(
+    {
+        PadKind.POINTWISE,
+        PadKind.REDUCTION,
+        PadKind.MOMENTS,
+        PadKind.CONTRACTION,
+        PadKind.POSITIONAL,
+        PadKind.OF_FIRST,
+        PadKind.MASKED,
+    }
 )
-
-#: ops pointwise over their first tensor only (``isin``: each element looked up in the whole
-#: second; that one is never padded)
-_OF_FIRST = frozenset({"aten::isin"})
-
-#: ops whose padded positions a tensor argument masks: the op's name -> that argument's leaf
-#: index, filled with the lowest value (``spyre_jax::attention``'s additive bias: a padded key
-#: scores -inf and gets no weight)
-MASKED: dict[str, int] = {}
 
 _lock = threading.Lock()
 #: family -> per tensor leaf, per dim: the size first seen, or -1 once it has varied
@@ -168,45 +138,22 @@ def _reduced_dims(op: Any, args: tuple, kwargs: dict, rank: int) -> set[int] | N
     return {int(x) % max(rank, 1) for x in d}
 
 
-def _fill(kind: str, dtype: torch.dtype) -> Any:
-    if kind == "zero":
-        return False if dtype == torch.bool else 0
-    if kind == "one":
-        return True if dtype == torch.bool else 1
-    if dtype == torch.bool:
-        return kind == "highest"
-    if dtype.is_floating_point:
-        return -math.inf if kind == "lowest" else math.inf
-    info = torch.iinfo(torch.int32 if dtype == torch.int64 else dtype)
-    return info.min if kind == "lowest" else info.max
-
-
 def plan_padding(
     op: Any, spec: Any, leaves: list, args: tuple, kwargs: dict, outs: list[torch.Tensor]
 ) -> Padding | None:
     """How this call runs on a bucket's kernel, or None (its exact sizes: nothing varied yet,
     or an op whose results padding could change). ``outs``: the call's fake results."""
-    name = op._schema.name
-    pointwise = torch.Tag.pointwise in op.tags
-    identity = _IDENTITY.get(name)
-    masked = MASKED.get(name)
-    if not (
-        pointwise
-        or identity
-        or masked is not None
-        or name in _MATMUL
-        or name in _POSITIONAL
-        or name in _OF_FIRST
-    ):
+    rule = rule_of(op)
+    if rule.kind not in _PADDED:
         return None
     dyn = dynamic_dims(op, spec, leaves)
     if dyn is None:
         return None
-    if name in _OF_FIRST and (
+    if rule.kind is PadKind.OF_FIRST and (
         not isinstance(leaves[0], torch.Tensor) or any(d for d in dyn[1:])
     ):  # only the first tensor's positions are each their own
         return None
-    if name == "aten::mean":  # it counts its elements: none of them may be padding
+    if rule.kind is PadKind.MOMENTS:  # it counts its elements: none of them may be padding
         t = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         if len(t) != 1 or _reduced_dims(op, args, kwargs, leaves[t[0]].dim()) & dyn[t[0]]:
             return None
@@ -217,14 +164,14 @@ def plan_padding(
         x = leaves[i]
         shapes[i] = tuple(bucket(n) if d in dyn[i] else n for d, n in enumerate(x.shape))
         fills[i] = 0 if x.dtype != torch.bool else False
-    if masked is not None and isinstance(leaves[masked], torch.Tensor):
-        fills[masked] = _fill("lowest", leaves[masked].dtype)
-    if identity is not None and not pointwise:
+    if rule.kind is PadKind.MASKED and isinstance(leaves[rule.arg], torch.Tensor):
+        fills[rule.arg] = fill_value("lowest", leaves[rule.arg].dtype)
+    if rule.kind is PadKind.REDUCTION:
         if len(tensors) != 1:
             return None
         x = leaves[tensors[0]]
         if _reduced_dims(op, args, kwargs, x.dim()) & dyn[tensors[0]]:
-            fills[tensors[0]] = _fill(identity, x.dtype)
+            fills[tensors[0]] = fill_value(rule.identity, x.dtype)
     if all(shapes[i] == tuple(leaves[i].shape) for i in tensors):
         return None
     if any(not isinstance(o, torch.Tensor) for o in outs):

@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .buckets import bucket
 from .graph_passes import copy_sources, fold_constants
+from .pad_rules import PadKind, PadRule, fill_value, rule_of
 
 __all__ = ["NotBucketable", "PaddedPlan"]
 
@@ -80,56 +81,14 @@ class _Sym:
         self.is_float = is_float
 
 
-# reductions: the fill that leaves each unchanged
-_SUM = {aten.sum.dim_IntList, aten.sum.default}
-_PROD = {aten.prod.dim_int, aten.prod.default}
-_MAXLIKE = {aten.amax.default, aten.max.dim, aten.max.default, aten.argmax.default}
-_MINLIKE = {aten.amin.default, aten.min.dim, aten.min.default, aten.argmin.default}
-_ANY = {aten.any.dim, aten.any.dims, aten.any.default}
-_ALL = {aten.all.dim, aten.all.default}
-_MEAN = {aten.mean.dim, aten.mean.default}
-_VAR = {aten.var.correction, aten.var.dim}
-_SOFTMAX = {aten._softmax.default, aten._log_softmax.default}
-_MATMUL = {aten.mm.default: (1, 0), aten.bmm.default: (2, 1)}
+#: Dynamo's guards on sizes (dropped: the bucket's sizes may differ)
 _CHECKS = {aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-# ops that may touch a padded dimension with no mask: they do not mix positions along it
-_SAFE = {
-    aten.permute.default,
-    aten.transpose.int,
-    aten.t.default,
-    aten.unsqueeze.default,
-    aten.squeeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.expand.default,
-    aten.clone.default,
-    aten.contiguous.default,
-    aten.alias.default,
-    aten.detach.default,
-    aten._to_copy.default,
-    aten.full_like.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.empty_like.default,
-    aten.full.default,
-    aten.zeros.default,
-    aten.ones.default,
-    aten.empty.memory_format,
-    aten.where.self,
-    aten.where.ScalarOther,
-    aten.where.ScalarSelf,
-    aten.where.Scalar,
-    aten.embedding.default,
-    aten.index_select.default,
-    aten.gather.default,
-    aten.tril.default,
-    aten.triu.default,
-    aten.cumsum.default,
-    aten.arange.default,
-    aten.lift_fresh_copy.default,
-}
+
+
+def _name(t: Any) -> str:
+    """An op's schema name (``aten::sum``), or "" for a Python callable."""
+    schema = getattr(t, "_schema", None)
+    return schema.name if schema is not None else ""
 
 
 def _dims(x: Any, dims: Any) -> list[int]:
@@ -400,15 +359,6 @@ class _Padder(torch.fx.Interpreter):
             x = torch.where(m, x, fill)
         return x
 
-    @staticmethod
-    def _lowest(x: torch.Tensor, high: bool) -> Any:
-        if x.dtype == torch.bool:
-            return high
-        if x.dtype.is_floating_point:
-            return math.inf if high else -math.inf
-        info = torch.iinfo(x.dtype)
-        return info.max if high else info.min
-
     def padding_flops(self, symenv: dict) -> int:
         """Flops spent on padding at the symbols' values ``symenv``: static minus real."""
         total = 0
@@ -485,8 +435,9 @@ class _Padder(torch.fx.Interpreter):
             return args[0][args[1]]
         if t in _CHECKS:  # Dynamo's guards on sizes: the bucket's sizes may differ
             return None
-        tags = getattr(t, "tags", ())
-        if torch.Tag.pointwise in tags:
+        rule = rule_of(t)
+        kind = rule.kind
+        if kind is PadKind.POINTWISE:
             out = t(*self.runtime(args), **self.runtime(kwargs))
             om = n.meta.get("val")
             if isinstance(om, torch.Tensor):
@@ -494,53 +445,54 @@ class _Padder(torch.fx.Interpreter):
                     (math.prod(self.k.shape(om)), sympy.Mul(*[_expr(s) for s in om.shape]))
                 )
             return out
-        if t in _MATMUL:
-            ka, kb = _MATMUL[t]
-            a, b = args
-            am, bm = ins
-            a = self.mask(a, am, [ka], 0)
-            b = self.mask(b, bm, [kb], 0)
-            om = n.meta["val"]
-            k_expr = _expr(am.shape[ka])
-            self.flop_terms.append(
-                (
-                    2 * math.prod(self.k.shape(om)) * self.k.size(am.shape[ka]),
-                    2 * sympy.Mul(*[_expr(s) for s in om.shape]) * k_expr,
-                )
-            )
-            return t(a, b)
-        if t is aten.addmm.default:
-            bias, a, b = args
-            a = self.mask(a, ins[1], [1], 0)
-            b = self.mask(b, ins[2], [0], 0)
-            return t(bias, a, b, **kwargs)
-        if t in _SOFTMAX:
-            return t(self.mask(x, xm, _dims(x, args[1]), -math.inf), *args[1:])
-        reduce_dims = None
-        if t in _SUM | _PROD | _MAXLIKE | _MINLIKE | _ANY | _ALL | _MEAN | _VAR:
+        if kind is PadKind.CONTRACTION:
+            return self.contraction(n, rule, args, kwargs, ins)
+        if kind in (PadKind.REDUCTION, PadKind.MOMENTS):
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             reduce_dims = _dims(x, dim)
-        if t in _SUM:
-            return t(self.mask(x, xm, reduce_dims, 0), *args[1:], **kwargs)
-        if t in _PROD:
-            return t(self.mask(x, xm, reduce_dims, 1), *args[1:], **kwargs)
-        if t in _MAXLIKE:
-            return t(self.mask(x, xm, reduce_dims, self._lowest(x, False)), *args[1:], **kwargs)
-        if t in _MINLIKE:
-            return t(self.mask(x, xm, reduce_dims, self._lowest(x, True)), *args[1:], **kwargs)
-        if t in _ANY:
-            return t(self.mask(x, xm, reduce_dims, False), *args[1:], **kwargs)
-        if t in _ALL:
-            return t(self.mask(x, xm, reduce_dims, True), *args[1:], **kwargs)
-        if t in _MEAN or t in _VAR:
-            return self.moments(n, x, xm, reduce_dims, args, kwargs)
-        if t is aten.cat.default:
+            if kind is PadKind.MOMENTS:
+                return self.moments(n, x, xm, reduce_dims, args, kwargs)
+            fill = fill_value(rule.identity, x.dtype)
+            return t(self.mask(x, xm, reduce_dims, fill), *args[1:], **kwargs)
+        if kind is PadKind.OFFSET:
+            return self.offset(n, x, xm, args, kwargs)
+        if kind in (PadKind.MOVEMENT, PadKind.POSITIONAL):
+            if _name(t) == "aten::full" and isinstance(args[1], _Sym):
+                raise NotBucketable(f"{t} ({n.name}) fills with a size")
+            return t(*self.static(args), **self.static(kwargs))
+        raise NotBucketable(f"{t} ({n.name}) on a padded dimension has no masking rule")
+
+    def contraction(
+        self, n: torch.fx.Node, rule: PadRule, args: tuple, kwargs: dict, ins: list
+    ) -> Any:
+        """A matrix product (``mm``, ``bmm``, ``addmm``): the padding of the contracted dim
+        zeroed in both operands (the last two arguments), its padded flops counted."""
+        ka, kb = rule.contract
+        *rest, a, b = args
+        am, bm = ins[-2:]
+        a = self.mask(a, am, [ka], 0)
+        b = self.mask(b, bm, [kb], 0)
+        om = n.meta["val"]
+        self.flop_terms.append(
+            (
+                2 * math.prod(self.k.shape(om)) * self.k.size(am.shape[ka]),
+                2 * sympy.Mul(*[_expr(s) for s in om.shape]) * _expr(am.shape[ka]),
+            )
+        )
+        return n.target(*rest, a, b, **kwargs)
+
+    def offset(self, n: torch.fx.Node, x: Any, xm: Any, args: tuple, kwargs: dict) -> Any:
+        """The ops whose result depends on where the runtime sizes end (OFFSET in
+        :mod:`torch_bridge.pad_rules`), each by its own rule."""
+        t, name = n.target, _name(n.target)
+        if name == "aten::cat":
+            ins = list(torch.fx.node.map_arg(n.args, lambda a: a.meta.get("val")))
             return self.cat(n, args, ins)
-        if t is aten.slice.Tensor:
+        if name == "aten::slice":
             return self.slice(n, x, xm, args)
-        if t is aten.select.int:
+        if name == "aten::select":
             return self.select(n, x, xm, args)
-        if t in _VIEWS:
+        if name in ("aten::view", "aten::reshape", "aten::_unsafe_view"):
             self.view_ok(n, xm, n.meta["val"])
             return t(x, self.k.shape(n.meta["val"]))
         if t in (aten.arange.start, aten.arange.start_step):
@@ -553,20 +505,18 @@ class _Padder(torch.fx.Interpreter):
                 device=kwargs.get("device"),
             )
             return base * self.runtime(step) + self.runtime(start)
-        if t is aten.scalar_tensor.default and isinstance(x, _Sym):
+        if t is aten.arange.default:  # the padded length: its tail is padding
+            return t(*self.static(args), **self.static(kwargs))
+        if name == "aten::scalar_tensor" and isinstance(x, _Sym):
             return self.runtime(x).to(kwargs.get("dtype") or torch.float32)
-        if t is aten.native_layer_norm.default and not any(
+        if name == "aten::native_layer_norm" and not any(
             _symbolic(_expr(d)) for d in xm.shape[xm.dim() - len(args[1]) :]
         ):  # normalized over static trailing dims: each padded row on its own
             return t(*self.static(args), **self.static(kwargs))
-        if t in _SPLITS and not _symbolic(
+        if name in ("aten::split", "aten::split_with_sizes") and not _symbolic(
             _expr(xm.shape[(args[2] if len(args) > 2 else kwargs.get("dim", 0)) % xm.dim()])
         ):
             return t(*self.static(args), **self.static(kwargs))  # split along a static dim
-        if t in _SAFE:
-            if t in (aten.full.default,) and isinstance(args[1], _Sym):
-                raise NotBucketable(f"{t} ({n.name}) fills with a size")
-            return t(*self.static(args), **self.static(kwargs))
         raise NotBucketable(f"{t} ({n.name}) on a padded dimension has no masking rule")
 
     def moments(
@@ -593,7 +543,7 @@ class _Padder(torch.fx.Interpreter):
         if isinstance(count, torch.Tensor):
             count = count.to(x.dtype)
         mean = torch.sum(self.mask(x, xm, dims, 0), dim=dims, keepdim=True) / count
-        if t in _MEAN:
+        if _name(t) == "aten::mean":
             return mean if keep else mean.squeeze(dims)
         dev = self.mask(x - mean, xm, dims, 0)
         return torch.sum(dev * dev, dim=dims, keepdim=keep) / (count - corr)
