@@ -42,6 +42,7 @@ def _on_card(q, k, v, **kw):
     scale=st.sampled_from([None, 0.5]),
     dtype=st.sampled_from([torch.float32, torch.float16]),
 )
+@pytest.mark.slow
 def test_attention_matches_eager_cpu(groups, hk, lq, lk, causal, scale, dtype):
     q, k, v = _qkv(1, groups * hk, hk, lq, lk, 32, dtype, seed=lk)
     kw = dict(is_causal=causal, scale=scale, enable_gqa=groups > 1)

@@ -230,6 +230,7 @@ def _run_and_compare(
 
 @pytest.mark.parametrize("card_name", list(CARDS))
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_kernel_follows_the_card(case, card_name):
     card = CARDS[card_name]
     k, xs, ref = _compile(case, card)

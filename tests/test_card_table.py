@@ -60,6 +60,7 @@ def test_the_slice_is_in_the_table():
 
 @pytest.mark.parametrize("card", sorted(CARDS))
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_op_table_slice_on_other_cards(name, card, small_card):
     spec = small_card(**CARDS[card])
     i, op = _BY_NAME[name]

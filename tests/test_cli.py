@@ -12,6 +12,7 @@ import pytest
 from spyre_jax.tools import bench, cli, coverage_common
 
 
+@pytest.mark.slow
 def test_demo_prints_figures_and_writes_trace(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--trace", str(path)]) == 0
@@ -79,6 +80,7 @@ def test_bench_launch_and_softmax_json(capsys):
     assert sm["ratio"] == pytest.approx(sm["model_us"] / 261.0)
 
 
+@pytest.mark.slow
 def test_bench_sim_json(capsys):
     assert cli.main(["bench", "sim", "--json", "--reps", "1"]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -135,6 +137,7 @@ def test_coverage_description_is_coverage_common_first_line():
     assert cli.COVERAGE_DESCRIPTION == coverage_common.__doc__.split("\n")[0]
 
 
+@pytest.mark.slow
 def test_bench_models_json(capsys):
     # a shortened, narrowed model through the same harness the full-size benchmark uses
     # (one subprocess per model); an unknown name is a ValueError naming the known ones
@@ -178,6 +181,7 @@ def test_bench_models_json(capsys):
         cli.main(["bench", "models", "--models", "nope"])
 
 
+@pytest.mark.slow
 def test_bench_serve_json(capsys):
     # greedy decoding with the static KV cache: one prefill kernel, one decode kernel reused for
     # every step, no CPU fallback (the cache update is an index_put), eager's tokens
@@ -193,6 +197,7 @@ def test_bench_serve_json(capsys):
         cli.main(["bench", "serve", "--models", "nope"])
 
 
+@pytest.mark.slow
 def test_bench_serve_dynamic_cache_json(capsys):
     # the default (dynamic) cache: decode kernels per bucket of the KV length; a prompt of
     # another length compiles at most its prefill and one bucket
@@ -203,6 +208,7 @@ def test_bench_serve_dynamic_cache_json(capsys):
     assert r["compiles_other_prompt"] <= 2 and r["sim_decode_us_per_token"] > 0
 
 
+@pytest.mark.slow
 def test_bench_eager_json(capsys):
     # the small op's host cost and generate() on the device (dynamic cache), beside eager CPU
     argv = ["bench", "eager", "--seq", "4", "--tokens", "3", "--reps", "1", "--json"]

@@ -43,6 +43,7 @@ def _check_structure(res: dict, paths: list[str]) -> None:
     json.loads(json.dumps(res))  # JSON-ready
 
 
+@pytest.mark.slow
 def test_torch_structure_and_statuses(torch_result):
     res = torch_result
     assert res["frontend"] == "torch"
@@ -69,6 +70,7 @@ def test_torch_skips_nondeterministic_and_unknown_path():
         coverage_torch.coverage_torch(ops=["add"], paths=("gpu",))
 
 
+@pytest.mark.slow
 def test_jax_structure_and_passes(jax_result):
     res = jax_result
     assert res["frontend"] == "jax"
@@ -170,6 +172,7 @@ def test_device_unavailable_is_skipped(monkeypatch):
     assert "device: unavailable" in cov.format_table(res)
 
 
+@pytest.mark.slow
 def test_isolated_worker_survives_a_crash(monkeypatch):
     # the worker segfaults on tanh's backend run: that sample is an error, the run goes on
     monkeypatch.setenv("SPYRE_COVERAGE_TEST_CRASH", "tanh:backend")

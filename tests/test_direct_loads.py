@@ -68,6 +68,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_direct_loads_give_the_same_bits_as_blocked_loads(fresh_card, monkeypatch, name):
     f, args = CASES[name]
     kernel, dev = _kernel_and_args(f, *args)

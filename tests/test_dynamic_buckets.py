@@ -51,6 +51,7 @@ def mixing():
     return torch.compile(_mixing, backend="spyre", dynamic=True)
 
 
+@pytest.mark.slow
 def test_one_kernel_per_bucket_and_masked_results(mixing):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(64, 64, generator=gen) / 8
@@ -74,6 +75,7 @@ def test_one_kernel_per_bucket_and_masked_results(mixing):
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(n=st.integers(2, 150), m=st.integers(2, 40), seed=st.integers(0, 2**16))
+@pytest.mark.slow
 def test_masking_property_any_sizes(mixing, n, m, seed):
     # any sizes inside any bucket give the CPU's results: padding never leaks into a result
     gen = torch.Generator().manual_seed(seed)
@@ -125,6 +127,7 @@ def test_a_view_that_interleaves_padding_runs_per_exact_size():
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.slow
 def test_generate_64_tokens_with_the_dynamic_cache(kind):
     # greedy decoding through torch.compile with transformers' default (dynamic) KV cache: the
     # tokens of eager CPU; decode steps share one kernel per bucket of the KV length, and a
@@ -139,6 +142,7 @@ def test_generate_64_tokens_with_the_dynamic_cache(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.slow
 def test_generate_64_tokens_with_the_static_cache(kind):
     model = tiny_causal_lm(kind)
     generate_counting_compiles(

@@ -33,6 +33,7 @@ def _attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y - y.mean(dim=0, keepdim=True)
 
 
+@pytest.mark.slow
 def test_dynamic_true_compiles_one_kernel_per_size_and_reuses_it():
     torch._dynamo.reset()
     tb.reset_fallback_stats()
@@ -120,6 +121,7 @@ def generate_counting_compiles(model, lengths: tuple[int, ...], seed: int, **kw)
     return counts
 
 
+@pytest.mark.slow
 def test_generate_with_the_dynamic_cache_gives_eager_tokens():
     # regression: the second decode step failed with "graph input sym_size_int_1 is not a
     # tensor" (Dynamo marks the KV length dynamic)
@@ -134,6 +136,7 @@ def test_generate_with_the_dynamic_cache_gives_eager_tokens():
     assert tb.fallback_stats() == {}
 
 
+@pytest.mark.slow
 def test_a_second_prompt_length_compiles_at_most_two_kernels():
     # the static KV cache: a prompt of a new length needs its prefill kernel and, since the
     # cache is sized prompt + new tokens, the decode kernel of that cache; nothing per step

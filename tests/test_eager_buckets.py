@@ -63,6 +63,7 @@ def test_a_growing_dimension_compiles_once_per_bucket():
     ],
     ids=["softmax", "log_softmax", "sum", "amax", "mean", "all", "argmax"],
 )
+@pytest.mark.slow
 def test_reductions_over_a_padded_dimension_see_only_real_elements(op):
     g = torch.Generator().manual_seed(1)
     for n in (9, 10, 17, 33):
@@ -75,6 +76,7 @@ def test_reductions_over_a_padded_dimension_see_only_real_elements(op):
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_attention_over_a_growing_kv_cache_matches_the_cpu():
     """Decode: one query against n keys (q @ k^T pads n; attn @ v contracts over it)."""
     g = torch.Generator().manual_seed(2)
@@ -146,7 +148,10 @@ def test_a_padded_result_feeds_the_next_kernels_without_a_compile_per_size():
         torch.testing.assert_close(r.cpu(), torch.softmax((x + y).t() * 2, 0))
         torch.testing.assert_close(u.cpu(), (x + y)[:, 1:] - 1)
         seen.append((_compiles(), relayout.view_program.cache_info().misses, variants()))
-    assert seen[-1] == seen[5]  # sizes 35..59: nothing new compiled (kernels, gathers, fusions)
+    # sizes 38..59 (eight lengths): nothing new compiled (kernels, gathers, fusions). Run alone
+    # (as a pytest-xdist worker may), the last fused variant appears at size 38; after the
+    # file's earlier tests it exists already
+    assert len(set(seen[6:])) == 1, seen
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -154,6 +159,7 @@ def test_a_padded_result_feeds_the_next_kernels_without_a_compile_per_size():
     sizes=st.lists(st.integers(2, 150), min_size=2, max_size=4),
     which=st.sampled_from(["add", "softmax", "amax", "sum", "bmm"]),
 )
+@pytest.mark.slow
 def test_padding_never_changes_a_result(sizes, which):
     """Any run of sizes of one dimension, any op that pads: the CPU's result every time."""
     g = torch.Generator().manual_seed(len(sizes))

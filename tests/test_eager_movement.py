@@ -74,6 +74,7 @@ VIEWS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64, torch.bool])
 @pytest.mark.parametrize("source", ["host", "pending"])
 @pytest.mark.parametrize("shape", [(6, 5, 40), (6, 4, 64)])  # rows padded to sticks, or not
+@pytest.mark.slow
 def test_views_of_results_and_of_host_bytes_reach_kernels_as_torch_sees_them(dtype, source, shape):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(*shape, generator=g) * 10
@@ -92,6 +93,7 @@ def test_views_of_results_and_of_host_bytes_reach_kernels_as_torch_sees_them(dty
             _same(op(view(src)), op(view(base)))
 
 
+@pytest.mark.slow
 def test_cat_along_a_growing_dim_compiles_nothing_per_size():
     """A KV cache grown by one position each step and an attention mask grown by one column:
     one data movement per bucket (no kernel per length), the result fed to the next kernels."""
@@ -125,6 +127,7 @@ def test_cat_along_a_growing_dim_compiles_nothing_per_size():
     dtype=st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool]),
     sliced=st.booleans(),
 )
+@pytest.mark.slow
 def test_cat_on_a_bucket_equals_torch(sizes, dim, dtype, sliced):
     """Any number of inputs of any sizes along any dim, as views or whole, of every dtype: the
     bucket's data movement gives torch's result (two calls first make the family dynamic)."""
@@ -155,6 +158,7 @@ def test_cat_of_mixed_dtypes_or_an_empty_input_takes_the_ordinary_path():
         torch.cat([torch.randn(2, 3).to("spyre"), torch.randn(3, 3).to("spyre")], 1)
 
 
+@pytest.mark.slow
 def test_isin_over_growing_elements_runs_on_a_bucket():
     """``isin`` (generate's end-of-sequence check) pads the elements, never the values looked
     up: after the first sizes, nothing compiles per length."""

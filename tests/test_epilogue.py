@@ -62,6 +62,7 @@ SHAPES = [(128, 256, 512), (100, 300, 200), (7, 64, 50), (512, 1024, 1536)]
 
 
 @pytest.mark.parametrize("mkn", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+@pytest.mark.slow
 def test_bias_gelu_residual_is_one_stage_with_the_unfused_bits(mkn, monkeypatch):
     m, k, n = mkn
     x, w = _arr((m, k), F16, seed=1), _w((k, n), F16, 2, 1 / np.sqrt(k))
@@ -128,6 +129,7 @@ def test_reductions_after_a_matmul_are_not_epilogues():
     assert _epilogues(spyre_jax.jit(f).lower(x, w).kernel) == [None]
 
 
+@pytest.mark.slow
 def test_an_epilogue_that_does_not_fit_runs_as_two_stages(small_card):
     # a K that is not a whole number of sticks keeps K whole in a block: the fused stage's
     # buffers need more than this scratchpad, the unfused matmul splits K across steps
@@ -186,6 +188,7 @@ def test_graph_checker_rejects_bad_epilogues():
             check_graph(_matmul_node(ep, slot))
 
 
+@pytest.mark.slow
 def test_vmapped_equinox_linears_swap_their_operands():
     """A vmapped ``eqx.nn.Linear`` traces ``W @ x^T`` then a transpose: swapped to ``x @ W^T``
     the transpose is gone and the bias and activation ride the store."""

@@ -103,6 +103,7 @@ def test_linear_vmapped(dt, use_bias):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("act", [jax.nn.gelu, jax.nn.relu], ids=["gelu", "relu"])
+@pytest.mark.slow
 def test_mlp(dt, act):
     kw, kx = _keys(1, 2)
     model = Batched(eqx.nn.MLP(64, 32, 128, 2, activation=act, key=kw))
@@ -111,6 +112,7 @@ def test_mlp(dt, act):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("norm", [eqx.nn.LayerNorm, eqx.nn.RMSNorm], ids=["layernorm", "rmsnorm"])
+@pytest.mark.slow
 def test_norms(dt, norm):
     (kx,) = _keys(2, 1)
     model = Batched(norm(128))
@@ -118,6 +120,7 @@ def test_norms(dt, norm):
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.slow
 def test_embedding_vmapped_over_token_ids(dt):
     kw, kx = _keys(3, 2)
     model = Batched(eqx.nn.Embedding(50, 64, key=kw))
@@ -127,6 +130,7 @@ def test_embedding_vmapped_over_token_ids(dt):
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("seq, width", [(16, 64), (64, 128)], ids=["s16w64", "s64w128"])
+@pytest.mark.slow
 def test_multihead_attention(dt, seq, width):
     kw, kx = _keys(4, 2)
     model = SelfAttention(eqx.nn.MultiheadAttention(4, width, key=kw))
@@ -145,6 +149,7 @@ def test_multihead_attention_module_passed_directly():
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("seq, width", [(16, 64), (64, 128)], ids=["s16w64", "s64w128"])
+@pytest.mark.slow
 def test_gpt_block(dt, seq, width):
     kw, kx = _keys(5, 2)
     model = GPTBlock(width, 4, key=kw)
@@ -152,6 +157,7 @@ def test_gpt_block(dt, seq, width):
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.slow
 def test_odd_sizes_width100_seq65(dt):
     """Neither 100 nor 65 is a multiple of a stick (64 fp16 / 32 fp32 elements)."""
     kw, kl, kx = _keys(6, 3)

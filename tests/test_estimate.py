@@ -175,6 +175,7 @@ def _kernel_times(build, ids):
 
 
 @pytest.mark.parametrize("mode", ["meta", "fake"])
+@pytest.mark.slow
 def test_a_torch_model_without_weights_compiles_for_its_timing(fresh_card, mode):
     # a model on the meta device, or built under FakeTensorMode, compiles through the backend
     # as a real one does: its kernels' simulated times are the real model's; nothing runs, and

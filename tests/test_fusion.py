@@ -102,6 +102,7 @@ def test_softmax_4096x2048_is_one_stage():
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
 @pytest.mark.parametrize("name", list(ROW_PROGRAMS))
+@pytest.mark.slow
 def test_row_program_fused_and_correct(name, shape):
     f, chain = ROW_PROGRAMS[name]
     dtype = FLOATS[(SHAPES.index(shape) + list(ROW_PROGRAMS).index(name)) % 3]
@@ -123,6 +124,7 @@ def test_softmax_over_a_leading_axis(dtype, axis):
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=["f16", "bf16", "f32"])
 @pytest.mark.parametrize("norm", [eqx.nn.LayerNorm, eqx.nn.RMSNorm], ids=["layernorm", "rmsnorm"])
+@pytest.mark.slow
 def test_equinox_norms_vmapped_are_one_stage(dtype, norm):
     model = norm(100)
     x = _arr((65, 100), dtype, seed=8) * 2 + 0.5
@@ -223,6 +225,7 @@ def test_producer_with_a_non_map_consumer_is_stored_once():
 # (layernorm is not among them: unfused, its variance reads the (rows,) mean, whose stick dim
 # makes the tiler take 64 whole rows at once, so it needs far more scratchpad than fused)
 @pytest.mark.parametrize("name", ["softmax", "rmsnorm"])
+@pytest.mark.slow
 def test_rows_too_long_for_the_scratchpad_fall_back(small_card, name):
     card = small_card(scratchpad_bytes=64 * 1024)
     f, chain = ROW_PROGRAMS[name]
@@ -241,6 +244,7 @@ def test_rows_too_long_for_the_scratchpad_fall_back(small_card, name):
     compile_graph(g, card, check=True)
 
 
+@pytest.mark.slow
 def test_fused_stage_double_buffers_under_a_small_scratchpad(small_card):
     card = small_card(scratchpad_bytes=32 * 1024)
     x = _arr((256, 1000), F16, seed=21) * 3
@@ -250,6 +254,7 @@ def test_fused_stage_double_buffers_under_a_small_scratchpad(small_card):
     assert st.sp_peak_bytes <= card.scratchpad_usable_bytes
 
 
+@pytest.mark.slow
 def test_rows_that_fit_nowhere_run_unfused(small_card):
     """Rows far longer than the scratchpad: the fusion is refused and the unfused stages split
     each row across steps; only a card without room for one stick per buffer raises."""

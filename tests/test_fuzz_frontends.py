@@ -39,6 +39,7 @@ _SETTINGS = {
 
 @settings(max_examples=N_EXAMPLES, **_SETTINGS)
 @given(programs(real_shapes="off"))
+@pytest.mark.slow
 def test_random_programs_agree_across_frontends(case):
     run_program(case)
 
@@ -51,6 +52,7 @@ def test_random_programs_agree_across_frontends(case):
 # divisor of the two row lengths)
 @example(Case(2, 419431, [("reshape", 0)], 0, 1))
 @example(Case(4, 1048575, [("reshape", 0)], 0, 1))
+@pytest.mark.slow
 def test_random_real_shape_programs_agree_across_frontends(case):
     run_program(case)
 
@@ -94,6 +96,7 @@ def test_program_emitters_agree_with_each_other_on_cpu():
         assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_the_net_catches_a_planted_lowering_bug(monkeypatch):
     # the torch importer's rule for aten.tanh computes 1.01 * tanh(x): the real rule, times a
     # wrong constant; the net fails the program and shrinks it to the one step that is wrong

@@ -300,6 +300,7 @@ def test_the_cards_run_sharded_over_jax_host_devices(tmp_path):
     assert r.stdout.strip().endswith("ok")
 
 
+@pytest.mark.slow
 def test_bench_tp_shortened():
     """``spyre-jax bench tp`` at a small width, without its estimate part: the layer on 1 and
     2 cards agrees with the CPU within fp16's tolerance, and its collectives are timed."""

@@ -81,6 +81,7 @@ def test_transpose_kept_when_used_elsewhere():
     "m,k,n,dt",
     [(5, 1000, 300, F16), (3, 517, 150, F32), (70, 2100, 90, BF16)],
 )
+@pytest.mark.slow
 def test_general_tiler_ragged_n_and_k(small_card, m, k, n, dt):
     """Whole blocks do not fit a 16 KiB scratchpad: N in blocks that do not divide it (the last
     one's output columns masked), K split in whole sticks with a masked ragged last block."""

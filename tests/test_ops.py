@@ -103,6 +103,7 @@ def _unary_params():
 
 
 @pytest.mark.parametrize("name,dtype", _unary_params())
+@pytest.mark.slow
 def test_unary(name, dtype):
     f, kind, chain = UNARY[name]
     _check(f, _arr((65, 100), dtype, kind, seed=1), chain=chain)
@@ -149,6 +150,7 @@ _BINARY_BF16 = {"sub", "div", "pow", "lt"}
         if dt != BF16 or n in _BINARY_BF16
     ],
 )
+@pytest.mark.slow
 def test_binary(name, dtype):
     f, k1, k2 = BINARY[name]
     x = _arr((63, 130), dtype, k1, seed=3)
@@ -228,6 +230,7 @@ def _conv_input(src: np.dtype, seed: int) -> np.ndarray:
     "src,dst",
     [pytest.param(a, b, id=f"{a}->{b}") for a in CONV_DTYPES for b in CONV_DTYPES if a != b],
 )
+@pytest.mark.slow
 def test_convert(src, dst):
     s, d = CONV_DTYPES[src], CONV_DTYPES[dst]
     _check(lambda a: lax.convert_element_type(a, d), _conv_input(s, 13))
@@ -245,6 +248,7 @@ RED = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
     [("sum", F16), ("sum", BF16), ("sum", F32), ("max", F16), ("min", F32)],
     ids=["sum-f16", "sum-bf16", "sum-f32", "max-f16", "min-f32"],
 )
+@pytest.mark.slow
 def test_reduce_2d(name, dtype, axis):
     x = _arr((100, 150), dtype, seed=14)
     k = x.size if axis is None else x.shape[axis]
@@ -381,6 +385,7 @@ _ALT = [F16, F32, BF16]  # dtypes cycled over the movement cases (data movement 
     + [(s, p, np.dtype(np.int32)) for s, p in TRANSPOSE[-2:-1]],
     ids=lambda v: str(v) if not isinstance(v, np.dtype) else v.name,
 )
+@pytest.mark.slow
 def test_transpose(shape, perm, dtype):
     _check(lambda a: jnp.transpose(a, perm), _arr(shape, dtype, seed=25))
 
@@ -561,6 +566,7 @@ MATMUL = [
     + [(MATMUL[2], BF16), (MATMUL[4], BF16), (MATMUL[2], F32), (MATMUL[-1], F32)],
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v.name,
 )
+@pytest.mark.slow
 def test_matmul(mkn, dtype):
     m, k, n = mkn
     x = _arr((m, k), dtype, seed=37)
@@ -674,6 +680,7 @@ def test_checkers_pass(name):
 # tiling under a small scratchpad
 
 
+@pytest.mark.slow
 def test_small_scratchpad_matmul_512(small_card):
     card = small_card(scratchpad_bytes=64 * 1024)
     x = _arr((512, 512), F16, seed=52)
@@ -684,6 +691,7 @@ def test_small_scratchpad_matmul_512(small_card):
     assert cost["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
 
 
+@pytest.mark.slow
 def test_small_scratchpad_softmax_256x1000(small_card):
     card = small_card(scratchpad_bytes=64 * 1024)
     x = _arr((256, 1000), F16, seed=54) * 3
@@ -693,6 +701,7 @@ def test_small_scratchpad_softmax_256x1000(small_card):
     assert cost["scratchpad_peak_bytes"] <= card.scratchpad_usable_bytes
 
 
+@pytest.mark.slow
 def test_tiny_scratchpad_long_row_tiles(small_card):
     """A reduction over rows far longer than the scratchpad is split across steps (a carried
     fp32 accumulator); only a card that cannot hold one stick per buffer raises."""
@@ -723,6 +732,7 @@ def _shapes_and_axis(draw):
 
 @settings(max_examples=25, deadline=None)
 @given(_shapes_and_axis(), st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_property_elementwise_reduce(sa, seed):
     shape, axis, dtype = sa
     x = _arr(shape, np.dtype(dtype), seed=seed)

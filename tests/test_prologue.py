@@ -105,6 +105,7 @@ SHAPES = [(2, 64, 256, 512), (1, 512, 2048, 1024), (2, 96, 320, 512)]
 
 
 @pytest.mark.parametrize("bmkn", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+@pytest.mark.slow
 def test_rmsnorm_rides_the_matmul_loads(bmkn, monkeypatch):
     b, m, k, n = bmkn
     x, g = _arr((b, m, k), F16, seed=1), _arr((k,), F16, seed=2)
@@ -268,6 +269,7 @@ def test_the_pass_fuses_only_where_the_timing_model_says_it_saves_time():
     assert any(n.p("prologue") is not None for n in faster.nodes if n.op == "matmul")
 
 
+@pytest.mark.slow
 def test_a_prologue_that_does_not_fit_runs_as_a_map(small_card, monkeypatch):
     # a K that is not a whole number of sticks keeps K whole in the fused matmul's lhs block,
     # beside the prologue's: more than this scratchpad holds; the unfused matmul splits K

@@ -111,6 +111,7 @@ def _compiled_vs_fp32(name: str, dtype: torch.dtype) -> None:
 # torch.compile(backend="spyre"), fp16 (model.half())
 
 
+@pytest.mark.slow
 def test_gpt2_small_fp16():
     # 12 heads x 64, 768 wide, vocab 50257 tied LM head; ~14 s here
     _compiled_vs_fp32("gpt2-small", torch.float16)
@@ -122,12 +123,14 @@ def test_bert_base_fp16():
     _compiled_vs_fp32("bert-base", torch.float16)
 
 
+@pytest.mark.slow
 def test_llama_3_2_1b_fp16():
     # 2048 wide, 32 heads x 64 with 8 KV heads (GQA), intermediate 8192, RoPE theta 5e5, vocab
     # 128256 tied to the embedding: the LM head (128256 x 2048) dominates; ~25 s here
     _compiled_vs_fp32("llama-3.2-1b", torch.float16)
 
 
+@pytest.mark.slow
 def test_granite_3_3_8b_one_layer_fp16():
     # Granite-3.3-8B at full width (4096, 32 heads x 128, 8 KV heads, intermediate 12800, vocab
     # 49159) truncated to ONE layer, not the benchmark's two: one layer already holds every op
@@ -142,6 +145,7 @@ def test_granite_3_3_8b_one_layer_fp16():
 # bf16 (model.to(torch.bfloat16)), on the spyre device
 
 
+@pytest.mark.slow
 def test_gpt2_small_bf16_on_the_spyre_device():
     # model.to("spyre"): weights in the card's device memory, every op a one-op graph on the
     # card (no torch.compile); bf16, the dtype most checkpoints ship in. ~10 s here
@@ -161,6 +165,7 @@ def test_gpt2_small_bf16_on_the_spyre_device():
 # equinox through spyre_jax.jit, fp16
 
 
+@pytest.mark.slow
 def test_gpt2_small_equinox_fp16():
     # GPT-2 small as an equinox module, fp32 jax.jit on the CPU vs fp16 spyre_jax.jit; ~15 s here
     cfg = eqx_gpt2.GPT2Config(n_layer=1)

@@ -85,6 +85,7 @@ PERMS_4D = [p for p in itertools.permutations(range(4)) if p[-1] != 3]
 
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+@pytest.mark.slow
 def test_transpose_72x91_and_all_stick_perms_of_2x2x65x64(dtype):
     x = _arr((72, 91), dtype, 1)
     y = _arr((2, 2, 65, 64), dtype, 2)
@@ -93,6 +94,7 @@ def test_transpose_72x91_and_all_stick_perms_of_2x2x65x64(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.slow
 def test_transpose_torch(dtype):
     x = _rand((72, 91), dtype, 1)
     y = _rand((2, 2, 65, 64), dtype, 2)
@@ -173,6 +175,7 @@ def _layernorm_jax(x, g, b):
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.slow
 def test_expert_rows_jax(rows, dtype):
     x, w = _arr((rows, 96), dtype, rows), _arr((96, 40), dtype, 11)
     g, b = _arr((96,), dtype, 12), _arr((96,), dtype, 13)
@@ -184,6 +187,7 @@ def test_expert_rows_jax(rows, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.slow
 def test_expert_rows_torch(rows, dtype):
     x, w = _rand((rows, 96), dtype, rows), _rand((96, 40), dtype, 11)
     g, b = _rand((96,), dtype, 12), _rand((96,), dtype, 13)
@@ -323,6 +327,7 @@ TORCH_RANK0 = {
 
 
 @pytest.mark.parametrize("name", list(TORCH_RANK0))
+@pytest.mark.slow
 def test_rank0_reductions_torch(name):
     _compiled(TORCH_RANK0[name], torch.tensor(3.0))
     _device(TORCH_RANK0[name], torch.tensor(3.0))
@@ -366,6 +371,7 @@ def _rp_inputs(dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("bits", [(5, 10), (8, 7), (5, 2), (4, 3), (8, 0), (1, 0), (6, 22)])
+@pytest.mark.slow
 def test_reduce_precision_bit_exact(bits, dtype):
     e, m = bits
     x = _rp_inputs(dtype)
@@ -460,6 +466,7 @@ def test_jnp_split(split):
 
 
 @pytest.mark.parametrize("shape", [(2, 419431), (2, 419425), (4, 419431), (2, 1048575)])
+@pytest.mark.slow
 def test_flatten_of_rows_longer_than_the_scratchpad(shape):
     # regression (found by the fuzz net): rows longer than one core's usable scratchpad whose
     # length has no divisor making whole sticks could not be flattened (TilingError); they go

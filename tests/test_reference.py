@@ -249,6 +249,7 @@ def test_fused_row_programs(case):
     assert len(kern.stages) == 1 and _row_reduction_ops(kern)
 
 
+@pytest.mark.slow
 def test_fused_softmax_multistep_and_fallback(small_card):
     """A fused softmax over several double-buffered steps; rows too long for the scratchpad go
     through the unfused stages."""
@@ -304,6 +305,7 @@ def test_matmul_bf16_with_epilogue():
     ],
     ids=["128x256x128", "80x128x320", "5x64x128x192"],
 )
+@pytest.mark.slow
 def test_matmul_tiny_scratchpad(small_card, shapes, varies):
     small_card(scratchpad_bytes=32 * 1024)
     a, b = _arr(shapes[0], F16, seed=34), _arr(shapes[1], F16, seed=35)
@@ -313,6 +315,7 @@ def test_matmul_tiny_scratchpad(small_card, shapes, varies):
     assert _ring_varies(st0) == varies
 
 
+@pytest.mark.slow
 def test_tiny_scratchpad_maps(small_card):
     small_card(scratchpad_bytes=16 * 1024)
     x = _arr((256, 1000), F16, seed=36)
@@ -325,6 +328,7 @@ def test_tiny_scratchpad_maps(small_card):
     _check(lambda a: jax.nn.softmax(a, axis=-1), y, chain=3)
 
 
+@pytest.mark.slow
 def test_dl16_rounding(small_card):
     """``CardSpec(dl16_rounding=True)``: fp16/bf16 stores of map and matmul results round
     through DL16 (9 fraction bits; overflow to inf above ~8.6e9) in both executors."""
@@ -418,6 +422,7 @@ def _permute_cores(s: Stage, rng: np.random.Generator) -> Stage:
     "case",
     ["broadcast", "matmul_ksplit", "gather"],
 )
+@pytest.mark.slow
 def test_cores_permuted(small_card, case):
     small_card(scratchpad_bytes=32 * 1024)
     if case == "broadcast":

@@ -166,6 +166,7 @@ def test_an_in_place_change_of_a_parameter_is_seen(fresh_card):
     assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_a_parameter_copy_goes_with_its_parameter(fresh_card):
     import gc
 
@@ -259,6 +260,7 @@ def test_progress_logs_when_not_on_a_terminal(monkeypatch, caplog):
     assert not caplog.records
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_the_card_fails_at_load_before_any_copy(small_card):
     # each weight fits the card, all of them together do not: DeviceOOMError when the graph is
     # loaded, naming the graph, with nothing copied in and nothing left allocated
@@ -279,6 +281,7 @@ def test_a_model_too_big_for_the_card_fails_at_load_before_any_copy(small_card):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_jit_arguments_too_big_together_fail_before_any_copy(small_card):
     from device_model.memory import DeviceOOMError
 

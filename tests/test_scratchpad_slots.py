@@ -58,6 +58,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.slow
 def test_results_match_jax(fresh_card, name, dtype):
     f, shapes = CASES[name]
     args = [rng(i).standard_normal(s).astype(dtype) for i, s in enumerate(shapes)]

@@ -182,6 +182,7 @@ def _compare(got: Any, want: Any, rtol: float) -> None:
 
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow
 def test_sweep(small_card, kind, scale):
     card = small_card(**CARD)
     f, xs, ref, rtol = KINDS[kind](scale * card.scratchpad_usable_bytes)
@@ -281,6 +282,7 @@ def lax_cumsum_rev(x: Any) -> Any:
     ],
     ids=["sum", "transpose"],
 )
+@pytest.mark.slow
 def test_not_even_one_stick_per_buffer_raises(small_card, f, x):
     """A card whose usable scratchpad is one stick cannot hold a block of an input and one of
     the output: TilingError naming the usable scratchpad and what the smallest tiling needs."""

@@ -73,6 +73,7 @@ UNARY = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 63), (2, 150)], ids=str)
 @pytest.mark.parametrize("name", sorted(UNARY))
+@pytest.mark.slow
 def test_unary(name, shape, dtype):
     _check(UNARY[name], _rand(shape, dtype))
 
@@ -80,6 +81,7 @@ def test_unary(name, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", ["gelu", "exp", "scalar_ops"])
+@pytest.mark.slow
 def test_unary_odd_shapes(name, shape, dtype):
     _check(UNARY[name], _rand(shape, dtype))
 
@@ -102,6 +104,7 @@ BINARY = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(BINARY))
+@pytest.mark.slow
 def test_binary(name, dtype):
     a, b = _rand((5, 65), dtype, 1), _rand((5, 65), dtype, 2)
     _check(BINARY[name], a, b)
@@ -133,6 +136,7 @@ REDUCE = {
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(3, 63), (4, 100), (2, 3, 65)], ids=str)
 @pytest.mark.parametrize("name", sorted(REDUCE))
+@pytest.mark.slow
 def test_reductions(name, shape, dtype):
     if name in ("argmax", "max_dim"):
         x = torch.randperm(math.prod(shape), generator=torch.Generator().manual_seed(5))
@@ -163,12 +167,14 @@ LAYOUT = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(LAYOUT))
+@pytest.mark.slow
 def test_layout(name, dtype):
     _check(LAYOUT[name], _rand((5, 65), dtype, 7))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mkn", [(64, 128, 96), (5, 65, 100), (1, 150, 3)], ids=str)
+@pytest.mark.slow
 def test_matmul_family(mkn, dtype):
     m, k, n = mkn
     a, b, bias = _rand((m, k), dtype, 8), _rand((k, n), dtype, 9), _rand((n,), dtype, 10)
@@ -246,6 +252,7 @@ def _models():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.slow
 def test_transformer_models(name, dtype):
     torch.manual_seed(0)
     model = _models()[name]().eval().to(dtype)
@@ -325,6 +332,7 @@ def test_numpy_round_trip_bf16():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+@pytest.mark.slow
 def test_transformer_models_on_the_spyre_device(name, dtype):
     import torch_bridge.device as dev
 
@@ -375,6 +383,7 @@ def test_filled_tensors_are_one_broadcast_scalar_not_a_constant_tensor():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pos", [[4, 5, 6], [0, 15, -2], [9]])
+@pytest.mark.slow
 def test_index_put_along_one_dim_is_a_kv_cache_update(dtype, pos):
     # a static KV cache's update (transformers' StaticCache: index_copy_ at cache_position)
     # became aten.index_put and ran on the CPU
@@ -421,6 +430,7 @@ INDEXING = {
 
 
 @pytest.mark.parametrize("name", sorted(INDEXING))
+@pytest.mark.slow
 def test_advanced_indexing_runs_on_the_card(name):
     # regression: aten.index.Tensor had no rule; transformers' causal-mask functions index the
     # cache positions this way whenever use_cache=False, so Llama and GPT-2 fell back to the CPU
@@ -443,6 +453,7 @@ def test_indexing_the_card_has_no_rule_for_runs_on_the_cpu():
     torch.testing.assert_close(got, x[x > 0])
 
 
+@pytest.mark.slow
 def test_a_model_without_its_cache_has_no_cpu_fallback():
     import transformers
 

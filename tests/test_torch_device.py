@@ -47,6 +47,7 @@ def test_torch_spyre_module():
     assert torch.spyre.memory_allocated() == spyre_jax.memory_stats()["bytes_in_use"]
 
 
+@pytest.mark.slow
 def test_entry_point_and_import_torch_alone():
     eps = importlib.metadata.entry_points(group="torch.backends")
     assert [e.value for e in eps if e.name == "spyre"] == ["torch_bridge.device:_autoload"]
@@ -72,6 +73,7 @@ def test_entry_point_and_import_torch_alone():
         "torch_bridge.strides",
     ],
 )
+@pytest.mark.slow
 def test_device_loads_when_our_fx_importer_imports_torch_first(first):
     # regression: the first ``import torch`` of a process happening inside lowering's FX importer
     # loaded the spyre plugin, which stands on that importer, half-way through it (a
@@ -98,6 +100,7 @@ def _region_of(ptr: int) -> tuple[int, int]:
     return hit
 
 
+@pytest.mark.slow
 def test_storage_is_device_memory_and_freed():
     gc.collect()
     before = spyre_jax.memory_stats()["bytes_in_use"]
@@ -116,6 +119,7 @@ def test_storage_is_device_memory_and_freed():
     assert spyre_jax.memory_stats()["bytes_in_use"] == before
 
 
+@pytest.mark.slow
 def test_eager_results_do_not_leak():
     x = torch.randn(32, 64).to("spyre")
     y = x * 2 + 1  # warm
@@ -339,6 +343,7 @@ ELEMENTWISE = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("name", list(ELEMENTWISE))
+@pytest.mark.slow
 def test_elementwise(name, dtype):
     fn = ELEMENTWISE[name]
     for shape in [(5, 65), (2, 3, 70)]:
@@ -363,6 +368,7 @@ REDUCE_AND_NORM = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("name", list(REDUCE_AND_NORM))
+@pytest.mark.slow
 def test_reductions_and_norms(name, dtype):
     fn = REDUCE_AND_NORM[name]
     for shape in SHAPES:
@@ -507,6 +513,7 @@ def test_complex_on_spyre_is_a_type_error_not_a_crash():
     assert (x * 2).cpu().shape == (8,)  # the device is still usable
 
 
+@pytest.mark.slow
 def test_plain_torch_compile_on_spyre_tensors_runs_on_the_card():
     # torch-spyre's users write torch.compile(model) with no backend=: Inductor (the default)
     # has no code generator for the card; graphs of spyre tensors go to our backend instead

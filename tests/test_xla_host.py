@@ -49,6 +49,7 @@ def test_dispatch_mode(env: dict[str, str], want: str) -> None:
     assert _probe(env) == want
 
 
+@pytest.mark.slow
 def test_the_asynchronous_paths_still_hold():
     # run where they are called, the card's results are ready when a launch returns, so the
     # waits for kernels in flight (pending results, reads of host bytes) are never exercised
