@@ -456,18 +456,12 @@ def _compute(cx: _StepCtx, t: Any, store_idx: Any) -> None:
     elif stage.kind == "concat":
         body = params
         tiles = cx.tiles(t)
+        k = None
         if body.tile:
             sidx = jnp.maximum(jnp.asarray(store_idx), 0)
             inner = math.prod(body.out_grid[body.axis + 1 :])
             k = (sidx // inner) % body.out_grid[body.axis]
-            x = ops.run_concat(jnp, body, tiles, k)
-        else:
-            parts = []
-            for x, n in zip(tiles, body.sizes, strict=True):
-                sl = [slice(None)] * x.ndim
-                sl[1 + body.axis] = slice(0, n)
-                parts.append(x[tuple(sl)])
-            x = jnp.concatenate(parts, axis=1 + body.axis)
+        x = ops.run_concat(jnp, body, tiles, k)
         bufs.write(out.sp, oslot, ops.fit(jnp, x.astype(np_dtype(out_layout.dtype)), out.block))
     else:  # pragma: no cover - the checker rejects unknown kinds
         raise ValueError(f"unknown stage kind {stage.kind}")
@@ -504,8 +498,8 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         return
     body, space_block, split = params
     coord = kpos if not split.reverse else split.nk - 1 - kpos
-    part = ops.run_map_partial(
-        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split, coord
+    part = ops.run_map(
+        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split=split, coord=coord
     )
     if body.reduction.index_of:
         acc = None if first is True else (bufs.read("acc", 0), bufs.read("acci", 0))
@@ -553,8 +547,8 @@ def _carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     stage, bufs = cx.stage, cx.bufs
     body, space_block, split = stage.body[0][2]
     coord = kpos if not split.reverse else split.nk - 1 - kpos
-    local = ops.run_map_partial(
-        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split, coord
+    local = ops.run_map(
+        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split=split, coord=coord
     )
     carry = None if first is True else bufs.read("acc", 0)
     out, carry = ops.cumsum_carry(jnp, local, carry, first, split)

@@ -42,8 +42,6 @@ __all__ = [
     "widen",
     "narrow",
     "run_map",
-    "map_values",
-    "run_map_partial",
     "combine_partial",
     "finish_partial",
     "cumsum_carry",
@@ -597,16 +595,22 @@ def _reduce(xp: Any, x: Any, kind: str, axes: tuple[int, ...]) -> Any:
     return REDUCTIONS[kind].whole(xp, x, axes)
 
 
-def map_values(
+def run_map(
     xp: Any,
     body: MapBody,
     tiles: list[Any],
     in_dtypes: list[str],
     space_block: tuple[int, ...],
     ncores: int,
+    *,
+    final: bool = True,
+    split: SplitReduce | None = None,
+    coord: Any = None,
 ) -> Any:
-    """A map body's program on one step's tiles: ``[C, *space_block]`` in the compute type,
-    before the final reduction."""
+    """A map stage's compute on one step: input tiles -> output tile ``[C, *space_block]`` in
+    the compute type (space dims), through the final reduction unless ``final`` is False. With
+    ``split``, one step of a reduction split across steps (block ``coord`` of the split axis;
+    see :func:`_partial`)."""
     seen = []
     for t, dt, v in zip(tiles, in_dtypes, body.views, strict=True):
         if not v.dims:  # a rank-0 tensor: element 0 of its one stick
@@ -616,20 +620,9 @@ def map_values(
     c = ncores
     if not hasattr(r, "shape") or r.shape != (c, *space_block):
         r = xp.broadcast_to(r, (c, *space_block))
-    return r
-
-
-def run_map(
-    xp: Any,
-    body: MapBody,
-    tiles: list[Any],
-    in_dtypes: list[str],
-    space_block: tuple[int, ...],
-    ncores: int,
-) -> Any:
-    """A map stage's compute on one step: input tiles -> output tile (compute type, space dims)."""
-    r = map_values(xp, body, tiles, in_dtypes, space_block, ncores)
-    if body.reduce:
+    if split is not None:
+        return _partial(xp, body, r, split, coord, space_block)
+    if final and body.reduce:
         r = _reduce(xp, r, body.reduce, body.reduce_axes)
     return r
 
@@ -651,21 +644,13 @@ def _split_mask(xp: Any, split: SplitReduce, n: int, ndim: int, coord: Any) -> A
     return valid.reshape(shape)
 
 
-def run_map_partial(
-    xp: Any,
-    body: MapBody,
-    tiles: list[Any],
-    in_dtypes: list[str],
-    space_block: tuple[int, ...],
-    ncores: int,
-    split: SplitReduce,
-    coord: Any,
+def _partial(
+    xp: Any, body: MapBody, r: Any, split: SplitReduce, coord: Any, space_block: tuple[int, ...]
 ) -> Any:
     """One step of a split reduction (:class:`SplitReduce`): the reduction of this block of the
     split axis (block ``coord``; elements past the extent masked to the identity). sum, prod,
     max, min: ``[C, *kept]``; argmax/argmin: ``(values, indices)``, the indices counted from
     the start of the axis; cumsum: the block's own running sums ``[C, *space_block]``."""
-    r = map_values(xp, body, tiles, in_dtypes, space_block, ncores)
     kind = body.reduce
     valid = _split_mask(xp, split, space_block[split.axis], r.ndim, coord)
     fill = reduce_identity(kind, r.dtype)
@@ -727,10 +712,18 @@ def cumsum_carry(xp: Any, local: Any, carry: Any, first: Any, split: SplitReduce
 
 
 def run_concat(xp: Any, body: ConcatBody, tiles: list[Any], kcoord: Any) -> Any:
-    """A tiled concatenation's block (``body.tile`` > 0): from each input's window tile
-    ``[C, *block_i]`` the positions of output block ``kcoord`` (``[C]``, each core's coordinate
-    along the axis) that fall in that input's range; 0 where none does."""
+    """A concatenation's output tile. Untiled (``body.tile`` 0): each input tile's own
+    ``sizes[i]`` positions along the axis, one after another. Tiled: from each input's window
+    tile ``[C, *block_i]`` the positions of output block ``kcoord`` (``[C]``, each core's
+    coordinate along the axis) that fall in that input's range; 0 where none does."""
     a, b = 1 + body.axis, body.tile
+    if not b:
+        parts = []
+        for x, n in zip(tiles, body.sizes, strict=True):
+            sl = [slice(None)] * x.ndim
+            sl[a] = slice(0, n)
+            parts.append(x[tuple(sl)])
+        return xp.concatenate(parts, axis=a)
     pos = kcoord.reshape(-1, 1) * b + xp.arange(b).reshape(1, -1)  # [C, b]
     out = None
     for x, off, n, lo in zip(tiles, body.offsets, body.sizes, body.local, strict=True):

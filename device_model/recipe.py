@@ -67,34 +67,18 @@ class Recipe:
         num_consts: int,
         card: CardSpec,
     ) -> Recipe:
+        def copies(kind: str, prefix: str, lays: list[TensorLayout], when: str) -> list:
+            return [
+                RecipeStep(
+                    kind, f"{prefix}{i} {lay}", lay.nbytes, copy_seconds(lay.nbytes, card), when, i
+                )
+                for i, lay in enumerate(lays)
+            ]
+
+        run = f"{name} ({len(in_layouts)} args, {num_consts} constants)"
         steps = [
-            RecipeStep(
-                "copy_in",
-                f"arg{i} {lay}",
-                lay.nbytes,
-                copy_seconds(lay.nbytes, card),
-                "only for a host array",
-                i,
-            )
-            for i, lay in enumerate(in_layouts)
-        ]
-        steps.append(
-            RecipeStep(
-                "run_kernel",
-                f"{name} ({len(in_layouts)} args, {num_consts} constants)",
-                0,
-                kernel_seconds,
-            )
-        )
-        steps += [
-            RecipeStep(
-                "copy_out",
-                f"out{i} {lay}",
-                lay.nbytes,
-                copy_seconds(lay.nbytes, card),
-                "when the host reads it",
-                i,
-            )
-            for i, lay in enumerate(out_layouts)
+            *copies("copy_in", "arg", in_layouts, "only for a host array"),
+            RecipeStep("run_kernel", run, 0, kernel_seconds),
+            *copies("copy_out", "out", out_layouts, "when the host reads it"),
         ]
         return Recipe(name, tuple(steps))

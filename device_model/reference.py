@@ -204,7 +204,7 @@ def _compute(
         tiles = [tile(op) for op in stage.inputs]
         dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
         coord = kpos if not split.reverse else split.nk - 1 - kpos
-        part = ops.run_map_partial(np, body, tiles, dts, tuple(space_block), 1, split, coord)
+        part = ops.run_map(np, body, tiles, dts, tuple(space_block), 1, split=split, coord=coord)
         first, last = bool(stage.first[t]), bool(stage.last[t])
         if body.reduction.scan:
             carry = None if first else sp.read("acc", 0)[None]
@@ -296,18 +296,12 @@ def _compute(
     elif stage.kind == "concat":
         body = params
         tiles = [tile(op) for op in stage.inputs]
+        k = None
         if body.tile:
             sb = max(store_block, 0)
             inner = math.prod(body.out_grid[body.axis + 1 :])
             k = np.asarray([(sb // inner) % body.out_grid[body.axis]])
-            x = ops.run_concat(np, body, tiles, k)
-        else:
-            parts = []
-            for x, n in zip(tiles, body.sizes, strict=True):
-                sl = [slice(None)] * x.ndim
-                sl[1 + body.axis] = slice(0, n)
-                parts.append(x[tuple(sl)])
-            x = np.concatenate(parts, axis=1 + body.axis)
+        x = ops.run_concat(np, body, tiles, k)
         x = x.astype(np_dtype(decls[out.tensor].layout.dtype))
         sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
     else:

@@ -384,19 +384,22 @@ def register() -> None:
         lib = torch.library.Library("aten", "IMPL")
         _libs.append(lib)
         k = "PrivateUse1"
-        lib.impl("empty.memory_format", _k_empty, k)
-        lib.impl("empty_strided", _k_empty_strided, k)
-        lib.impl("set_.source_Storage_storage_offset", _k_set_storage_offset, k)
-        lib.impl("set_.source_Storage", _k_set_storage, k)
-        lib.impl("set_.source_Tensor", _k_set_tensor, k)
-        lib.impl("resize_", _k_resize, k)
-        lib.impl("_copy_from", _k_copy_from, k)
-        lib.impl("_copy_from_and_resize", _k_copy_from_and_resize, k)
-        lib.impl("_local_scalar_dense", _k_local_scalar_dense, k)
-        lib.impl("fill_.Scalar", _k_fill_scalar, k)
-        lib.impl("fill_.Tensor", _k_fill_tensor, k)
-        lib.impl("zero_", _k_zero, k)
-        lib.impl("arange.start_out", _k_arange_out, k)
+        for name, kernel in {
+            "empty.memory_format": _k_empty,
+            "empty_strided": _k_empty_strided,
+            "set_.source_Storage_storage_offset": _k_set_storage_offset,
+            "set_.source_Storage": _k_set_storage,
+            "set_.source_Tensor": _k_set_tensor,
+            "resize_": _k_resize,
+            "_copy_from": _k_copy_from,
+            "_copy_from_and_resize": _k_copy_from_and_resize,
+            "_local_scalar_dense": _k_local_scalar_dense,
+            "fill_.Scalar": _k_fill_scalar,
+            "fill_.Tensor": _k_fill_tensor,
+            "zero_": _k_zero,
+            "arange.start_out": _k_arange_out,
+        }.items():
+            lib.impl(name, kernel, k)
         for name in _VIEW_OPS:
             lib.impl(name, _view_kernel(getattr(aten, name).default), k)
         for name in _RNG_OPS:

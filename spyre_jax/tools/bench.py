@@ -238,37 +238,38 @@ def bench_torch(reps: int = 3) -> dict[str, dict[str, Any]]:
 def main(args: Any) -> int:
     """``spyre-jax bench WHICH``: run one benchmark and print its table or JSON (``args``: the
     command line's parsed arguments)."""
-    if args.which == "calibrate":
-        names = args.models.split(",") if args.models else None
-        res = bench_calibrate.bench_calibrate(names)
-        print(json.dumps(res) if args.json else bench_calibrate.format_calibrate(res))
-        return 0
-    if args.which == "schedules":
-        names = args.models.split(",") if args.models else None
-        res = bench_schedules.bench_schedules(names)
-        print(json.dumps(res) if args.json else bench_schedules.format_schedules(res))
-        return 0
-    if args.which == "tp":
-        res = bench_tp.bench_tp()
-        print(json.dumps(res) if args.json else bench_tp.format_tp(res))
-        return 0
-    if args.which == "eager":
-        res = bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens)
-        print(json.dumps(res) if args.json else bench_eager.format_eager(res))
-        return 0
-    if args.which == "serve":
-        names = args.models.split(",") if args.models else None
-        res = bench_serve.bench_serve(
-            names, layers=args.layers, seq=args.seq, tokens=args.tokens, cache=args.cache
-        )
-        print(json.dumps(res) if args.json else bench_serve.format_serve(res))
-        return 0
-    if args.which == "models":
-        names = args.models.split(",") if args.models else None
-        res = bench_models.bench_models(
-            names, layers=args.layers, tiny=args.tiny, seq=args.seq, reps=args.reps
-        )
-        print(json.dumps(res) if args.json else bench_models.format_models(res))
+    names = args.models.split(",") if args.models else None
+    runs: dict[str, tuple[Callable[[], Any], Callable[[Any], str]]] = {
+        "calibrate": (
+            lambda: bench_calibrate.bench_calibrate(names),
+            bench_calibrate.format_calibrate,
+        ),
+        "schedules": (
+            lambda: bench_schedules.bench_schedules(names),
+            bench_schedules.format_schedules,
+        ),
+        "tp": (bench_tp.bench_tp, bench_tp.format_tp),
+        "eager": (
+            lambda: bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens),
+            bench_eager.format_eager,
+        ),
+        "serve": (
+            lambda: bench_serve.bench_serve(
+                names, layers=args.layers, seq=args.seq, tokens=args.tokens, cache=args.cache
+            ),
+            bench_serve.format_serve,
+        ),
+        "models": (
+            lambda: bench_models.bench_models(
+                names, layers=args.layers, tiny=args.tiny, seq=args.seq, reps=args.reps
+            ),
+            bench_models.format_models,
+        ),
+    }
+    if args.which in runs:
+        run, fmt = runs[args.which]
+        res = run()
+        print(json.dumps(res) if args.json else fmt(res))
         return 0
     if args.which != "sim":
         if args.which == "torch":

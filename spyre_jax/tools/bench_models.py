@@ -72,13 +72,39 @@ def _bert(layers: int | None, tiny: bool) -> Any:
     return BertModel(BertConfig(**kw))
 
 
-def _llama_1b(layers: int | None, tiny: bool) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+#: the tiny widths of a grouped-query causal LM (tests)
+_TINY_GQA: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
 
-    kw: dict[str, Any] = dict(
+
+def _causal_lm(
+    family: str, full: dict[str, Any], layers: int, tiny: dict[str, Any] | None = None
+) -> Callable[[int | None, bool], Any]:
+    """A builder(layers, tiny) of transformers' ``<family>ForCausalLM`` from its config at the
+    ``full`` widths (``layers`` by default), random weights; the tiny widths with ``tiny``."""
+
+    def build(n: int | None, small: bool) -> Any:
+        import transformers
+
+        kw = dict(full, num_hidden_layers=n or layers)
+        if small:
+            kw.update(_TINY_GQA, **(tiny or {}))
+        config = getattr(transformers, f"{family}Config")(**kw)
+        return getattr(transformers, f"{family}ForCausalLM")(config)
+
+    return build
+
+
+_llama_1b = _causal_lm(
+    "Llama",
+    dict(
         hidden_size=2048,
         intermediate_size=8192,
-        num_hidden_layers=layers or 16,
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=64,
@@ -86,40 +112,22 @@ def _llama_1b(layers: int | None, tiny: bool) -> Any:
         tie_word_embeddings=True,
         rope_theta=500000.0,
         max_position_embeddings=2048,
-    )
-    if tiny:
-        kw.update(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=1000,
-        )
-    return LlamaForCausalLM(LlamaConfig(**kw))
-
-
-def _granite_8b(layers: int | None, tiny: bool) -> Any:
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    kw: dict[str, Any] = dict(
+    ),
+    16,
+    {"head_dim": 16},
+)
+_granite_8b = _causal_lm(
+    "Granite",
+    dict(
         hidden_size=4096,
         intermediate_size=12800,
-        num_hidden_layers=layers or 2,
         num_attention_heads=32,
         num_key_value_heads=8,
         vocab_size=49159,
         max_position_embeddings=4096,
-    )
-    if tiny:
-        kw.update(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1000,
-        )
-    return GraniteForCausalLM(GraniteConfig(**kw))
+    ),
+    2,
+)
 
 
 #: name -> builder(layers, tiny); Granite-3.3-8B is truncated to 2 layers by default
