@@ -13,7 +13,8 @@ import numpy as np
 
 from device_model.layout import check_dtype
 
-from .graph import Node, Var, params
+from .graph import Node, Var
+from .op_params import make_params
 
 __all__ = ["Builder", "Lit", "dtype_name"]
 
@@ -43,8 +44,11 @@ class Builder:
     def emit(
         self, op: str, inputs: list[Var], out_shape: tuple[int, ...], out_dtype: str, **kw: Any
     ) -> Var:
+        """A node of ``op`` (its params class made from the keywords: GraphError naming the op
+        for one it does not take); its one output."""
+        ps = make_params(op, **kw)
         out = Var(tuple(int(d) for d in out_shape), out_dtype)
-        self.nodes.append(Node(op, tuple(inputs), (out,), params(**kw), self.source))
+        self.nodes.append(Node(op, tuple(inputs), (out,), ps, self.source))
         return out
 
     def const(self, value: Any, dtype: str | None = None) -> Var:

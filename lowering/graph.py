@@ -10,21 +10,26 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
 * ``reduce`` (``kind``: a ``device_model.ops.Reduce``; ``axes``),
 * ``matmul``: ``[B, M, K] x [B, K, N] -> [B, M, N]``, fp32 accumulation, out ``dtype``; with
   ``rhs_t=True`` the rhs is given transposed, ``[B, N, K]`` (an NT GEMM: a torch Linear weight);
-  after fusion, ``epilogue`` (a MapBody over ``[B, M, N]``, elementwise) applied to the product
-  on its way out, the product its input ``acc_slot`` and the node's inputs past the rhs the rest,
-  and ``prologue`` (a MapBody over ``[B, M, K]``, elementwise) applied to the lhs on its way in,
-  the lhs its input ``lhs_slot`` and the node's last inputs the rest (after the epilogue's),
+  after fusion, ``epilogue`` (a ``Fused``: a MapBody over ``[B, M, N]``, elementwise) applied
+  to the product on its way out, the product its input ``slot`` (printed ``acc_slot``) and the
+  node's inputs past the rhs the rest, and ``prologue`` (a ``Fused`` over ``[B, M, K]``) applied
+  to the lhs on its way in, the lhs its input ``slot`` (printed ``lhs_slot``) and the node's
+  last inputs the rest (after the epilogue's),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
 
-Every node keeps the user's source line. Graphs are frozen and hashable-by-identity; the printer
-and :func:`check_graph` are the two other consumers of the same structure.
+Each op's parameters are a frozen, hashable dataclass (:mod:`lowering.op_params`; ``PARAMS``
+maps an op to its class, :func:`register_op` adds one), which :func:`check_graph` validates
+field by field, recursing into the graphs an op holds (``Params.subgraphs``). Every node keeps
+the user's source line. Graphs are frozen and hashable-by-identity; the printer and
+:func:`check_graph` are the two other consumers of the same structure.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,13 +38,21 @@ import numpy as np
 from device_model.layout import check_dtype
 from device_model.ops import ELEMENTWISE, REDUCTIONS, InputView, MapBody
 
-__all__ = ["Var", "Node", "Graph", "GraphError", "check_graph", "format_graph", "infer"]
+from .op_params import PARAMS, GraphError, Map, Params, make_params
+
+__all__ = [
+    "Var",
+    "Node",
+    "Graph",
+    "GraphError",
+    "check_graph",
+    "format_graph",
+    "infer",
+    "register_op",
+    "unregister_op",
+]
 
 _ids = itertools.count()
-
-
-class GraphError(ValueError):
-    """A graph that breaks an invariant (raised by :func:`check_graph`)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -61,17 +74,18 @@ def _ty(v: Var) -> str:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Node:
+    """One op. ``params`` is an instance of the op's params class; keywords from
+    :func:`params` (or none) are made into one by the op."""
+
     op: str
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
-    params: tuple[tuple[str, Any], ...] = ()
+    params: Params = ()  # type: ignore[assignment]  # () or params(...): the op's class is made
     source: str = ""
 
-    def p(self, name: str, default: Any = None) -> Any:
-        for k, v in self.params:
-            if k == name:
-                return v
-        return default
+    def __post_init__(self) -> None:
+        if isinstance(self.params, tuple):
+            object.__setattr__(self, "params", make_params(self.op, **dict(self.params)))
 
     @property
     def out(self) -> Var:
@@ -91,6 +105,7 @@ class Graph:
 
 
 def params(**kw: Any) -> tuple[tuple[str, Any], ...]:
+    """Keywords for a hand-built :class:`Node`, which its op makes into its params class."""
     return tuple(sorted(kw.items()))
 
 
@@ -111,26 +126,36 @@ def _need(cond: bool, msg: str) -> None:
         raise GraphError(msg)
 
 
+def _check_params(n: Node) -> None:
+    cls = PARAMS.get(n.op)
+    _need(cls is not None and n.op in _RULES, f"unknown op {n.op!r}")
+    got = type(n.params).__name__
+    _need(isinstance(n.params, cls), f"{n.op}: params are a {got}, not a {cls.__name__}")
+    n.params.check(n.op)
+
+
 def _r_elementwise(n: Node) -> list:
-    fn = n.p("fn")
+    fn = n.params.fn
     _need(fn in ELEMENTWISE, f"unknown elementwise fn {fn!r}")
     shapes = {v.shape for v in n.inputs}
     _need(len(shapes) <= 1, f"elementwise inputs differ in shape: {sorted(shapes)}")
     arity = ELEMENTWISE[fn][1]
-    nargs = len(n.inputs) + len(n.p("scalars", ()))
+    nargs = len(n.inputs) + len(n.params.scalars)
     _need(arity < 0 or nargs == arity, f"{fn} takes {arity} operands, got {nargs}")
-    shape = tuple(n.p("shape", n.inputs[0].shape if n.inputs else ()))
+    shape = n.params.shape
+    if shape is None:
+        shape = n.inputs[0].shape if n.inputs else ()
     _need(not n.inputs or n.inputs[0].shape == shape, "elementwise shape differs from inputs")
-    return [(shape, n.p("dtype"))]
+    return [(shape, n.params.dtype)]
 
 
 def _r_convert(n: Node) -> list:
-    return [(n.inputs[0].shape, n.p("dtype"))]
+    return [(n.inputs[0].shape, n.params.dtype)]
 
 
 def _r_broadcast(n: Node) -> list:
     (x,) = n.inputs
-    shape, dims = n.p("shape"), n.p("dims")
+    shape, dims = n.params.shape, n.params.dims
     _need(len(dims) == len(x.shape), "broadcast dims do not match operand rank")
     for d, s in zip(dims, x.shape, strict=True):
         _need(s in (1, shape[d]), f"broadcast of dim size {s} to {shape[d]}")
@@ -139,14 +164,14 @@ def _r_broadcast(n: Node) -> list:
 
 def _r_transpose(n: Node) -> list:
     (x,) = n.inputs
-    perm = n.p("perm")
+    perm = n.params.perm
     _need(sorted(perm) == list(range(len(x.shape))), f"bad permutation {perm}")
     return [(tuple(x.shape[p] for p in perm), x.dtype)]
 
 
 def _r_slice(n: Node) -> list:
     (x,) = n.inputs
-    st, li, sd = n.p("starts"), n.p("limits"), n.p("strides")
+    st, li, sd = n.params.starts, n.params.limits, n.params.strides
     _need(len(st) == len(li) == len(sd) == len(x.shape), "slice params do not match rank")
     out = []
     for s, lim, d, size in zip(st, li, sd, x.shape, strict=True):
@@ -157,13 +182,13 @@ def _r_slice(n: Node) -> list:
 
 def _r_reshape(n: Node) -> list:
     (x,) = n.inputs
-    shape = tuple(n.p("shape"))
+    shape = n.params.shape
     _need(math.prod(shape) == math.prod(x.shape), f"reshape {x.shape} -> {shape}")
     return [(shape, x.dtype)]
 
 
 def _r_concat(n: Node) -> list:
-    ax = n.p("axis")
+    ax = n.params.axis
     first = n.inputs[0]
     total = 0
     for v in n.inputs:
@@ -179,7 +204,7 @@ def _r_concat(n: Node) -> list:
 
 def _r_reduce(n: Node) -> list:
     (x,) = n.inputs
-    kind, axes = n.p("kind"), n.p("axes")
+    kind, axes = n.params.kind, n.params.axes
     _need(kind in REDUCTIONS, f"unknown reduction kind {kind!r}")
     red = REDUCTIONS[kind]
     _need(all(0 <= a < len(x.shape) for a in axes), f"reduce axes {axes} out of range")
@@ -194,16 +219,15 @@ def matmul_inputs(n: Node) -> tuple[Var, Var, tuple[Var, ...], tuple[Var, ...]]:
     """A matmul node's inputs as (lhs, rhs, the epilogue's, the prologue's): the node's inputs
     are ``(lhs, rhs, *epilogue inputs, *prologue inputs)``, as many of the prologue's as its
     views less the lhs."""
-    pro: MapBody | None = n.p("prologue", None)
-    cut = len(n.inputs) - (len(pro.views) - 1 if pro is not None else 0)
+    pro = n.params.prologue
+    cut = len(n.inputs) - (len(pro.body.views) - 1 if pro is not None else 0)
     return n.inputs[0], n.inputs[1], tuple(n.inputs[2:cut]), tuple(n.inputs[cut:])
 
 
 def _r_matmul(n: Node) -> list:
     _need(len(n.inputs) >= 2, "matmul takes lhs and rhs")
     a, b = n.inputs[:2]
-    rhs_t = n.p("rhs_t", False)
-    _need(isinstance(rhs_t, bool), f"matmul rhs_t={rhs_t!r} is not a bool")
+    rhs_t = n.params.rhs_t
     form = "[B,M,K] x [B,N,K]" if rhs_t else "[B,M,K] x [B,K,N]"
     _need(len(a.shape) == 3 and len(b.shape) == 3, f"matmul takes {form}")
     kb, nb = (2, 1) if rhs_t else (1, 2)
@@ -212,13 +236,12 @@ def _r_matmul(n: Node) -> list:
         f"matmul shapes {a.shape} x {b.shape} ({form})",
     )
     shape = (a.shape[0], a.shape[1], b.shape[nb])
-    pro: MapBody | None = n.p("prologue", None)
     npro = 0
-    if pro is not None:
+    if n.params.prologue is not None:
         # the prologue: an elementwise map over the lhs's shape; its input lhs_slot is the lhs
         # (read one-to-one), the others are the node's last inputs
+        pro, lslot = n.params.prologue.body, n.params.prologue.slot
         npro = len(pro.views) - 1
-        lslot = n.p("lhs_slot", 0)
         _need(len(n.inputs) - 2 >= npro, "matmul: fewer inputs than the prologue reads")
         _need(0 <= lslot <= npro, f"matmul: prologue lhs_slot {lslot} out of range")
         _need(pro.space == a.shape, f"matmul: prologue space {pro.space} is not the lhs's")
@@ -227,23 +250,22 @@ def _r_matmul(n: Node) -> list:
         ins = list(matmul_inputs(n)[3])
         ins.insert(lslot, a)
         lhs = Var(a.shape, pro.out_dtype, -1)  # what the PE multiplies (no id drawn)
-        _r_map(Node("map", tuple(ins), (lhs,), (("body", pro),), n.source))
-    ep: MapBody | None = n.p("epilogue", None)
-    if ep is None:
+        _r_map(Node("map", tuple(ins), (lhs,), Map(pro), n.source))
+    if n.params.epilogue is None:
         _need(len(n.inputs) == 2 + npro, "matmul: inputs past lhs and rhs need an epilogue")
-        return [(shape, n.p("dtype"))]
+        return [(shape, n.params.dtype)]
     # the epilogue: an elementwise map over the product's shape; its input acc_slot is the
     # product (read one-to-one), the others are the node's inputs past lhs and rhs (and
     # before the prologue's)
-    slot = n.p("acc_slot", 0)
+    ep, slot = n.params.epilogue.body, n.params.epilogue.slot
     _need(len(ep.views) == len(n.inputs) - 1 - npro, "matmul: one epilogue view per input past rhs")
     _need(0 <= slot < len(ep.views), f"matmul: epilogue acc_slot {slot} out of range")
     _need(ep.space == shape, f"matmul: epilogue space {ep.space} is not the product's {shape}")
     _need(not ep.reduce and not ep.program_reduce_axes(), "matmul: the epilogue reduces")
     _need(ep.views[slot] == InputView.identity(3), "matmul: the epilogue reads the product 1:1")
     extras = list(matmul_inputs(n)[2])
-    extras.insert(slot, Var(shape, n.p("dtype"), -1))  # the product (no id drawn)
-    _r_map(Node("map", tuple(extras), n.outputs, (("body", ep),), n.source))
+    extras.insert(slot, Var(shape, n.params.dtype, -1))  # the product (no id drawn)
+    _r_map(Node("map", tuple(extras), n.outputs, Map(ep), n.source))
     return [(shape, ep.out_dtype)]
 
 
@@ -255,7 +277,7 @@ def _r_gather(n: Node) -> list:
 
 
 def _r_map(n: Node) -> list:
-    body: MapBody = n.p("body")
+    body: MapBody = n.params.body
     _need(len(body.views) == len(n.inputs), "map: one view per input")
     for v, view in zip(n.inputs, body.views, strict=True):
         _need(len(view.dims) == len(v.shape), "map: view rank differs from input rank")
@@ -272,7 +294,7 @@ def _r_map(n: Node) -> list:
     return [(shape, body.out_dtype)]
 
 
-_RULES = {
+_RULES: dict[str, Callable[[Node], list]] = {
     "elementwise": _r_elementwise,
     "convert": _r_convert,
     "broadcast": _r_broadcast,
@@ -287,8 +309,22 @@ _RULES = {
 }
 
 
+def register_op(op: str, params_cls: type[Params], rule: Callable[[Node], list]) -> None:
+    """Add an op: its params class and its shape rule (``rule(node)``: the outputs' ``(shape,
+    dtype)`` list, raising GraphError if invalid)."""
+    _need(op not in PARAMS and op not in _RULES, f"op {op!r} is already registered")
+    PARAMS[op] = params_cls
+    _RULES[op] = rule
+
+
+def unregister_op(op: str) -> None:
+    PARAMS.pop(op, None)
+    _RULES.pop(op, None)
+
+
 def check_graph(g: Graph) -> None:
-    """Every var defined once before use; every node's output types follow from its inputs."""
+    """Every var defined once before use; every node's params are its op's class, well-formed;
+    every node's output types follow from its inputs; every graph a node holds checks too."""
     defined: set[int] = set()
     for v in g.inputs:
         check_dtype(v.dtype, f"graph input {v!r}")
@@ -300,6 +336,12 @@ def check_graph(g: Graph) -> None:
         try:
             for v in n.inputs:
                 _need(v.id in defined, f"input {v!r} used before it is defined")
+            _check_params(n)
+            for k, sub in enumerate(n.params.subgraphs()):
+                try:
+                    check_graph(sub)
+                except GraphError as e:
+                    raise GraphError(f"in subgraph {k} ({sub.name}): {e}") from None
             got = infer(n)
             _need(len(got) == len(n.outputs), "wrong number of outputs")
             for v, (shape, dt) in zip(n.outputs, got, strict=True):
@@ -327,9 +369,7 @@ def _context(g: Graph, i: int, radius: int = 2) -> str:
 def format_node(n: Node) -> str:
     outs = ", ".join(repr(v) for v in n.outputs)
     ins = ", ".join(f"%{v.id}" for v in n.inputs)
-    ps = []
-    for k, v in n.params:
-        ps.append(f"{k}={v}")
+    ps = [f"{k}={v}" for k, v in n.params.items()]
     src = f"   # {n.source}" if n.source else ""
     return f"{outs} = {n.op}[{', '.join(ps)}]({ins}){src}"
 

@@ -6,12 +6,14 @@ way). Pure functions from graph to graph, like :mod:`lowering.passes`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from device_model.card import CardSpec
 from device_model.ops import InputView, MapBody
 
-from .graph import Graph, Node, Var, matmul_inputs, params
+from .graph import Graph, Node, Var, matmul_inputs
+from .op_params import Fused, Map, Reshape
 from .passes import _splice, _use_counts, dce, fuse_maps, is_free_reshape
 
 __all__ = [
@@ -27,7 +29,7 @@ __all__ = [
 
 
 def _swaps_last_two(n: Node) -> bool:
-    perm = tuple(n.p("perm"))
+    perm = n.params.perm
     r = len(perm)
     return r >= 2 and perm == (*range(r - 2), r - 1, r - 2)
 
@@ -41,7 +43,7 @@ def nt_matmul(g: Graph) -> Graph:
     nodes: list[Node] = []
     changed = False
     for n in g.nodes:
-        if n.op == "matmul" and not n.p("rhs_t", False):
+        if n.op == "matmul" and not n.params.rhs_t:
             rhs = n.inputs[1]
             src = made.get(rhs.id)
             if src is not None and src.op == "reshape":
@@ -55,9 +57,9 @@ def nt_matmul(g: Graph) -> Graph:
                 B, K, N = rhs.shape
                 if w.shape != (B, N, K):
                     w2 = Var((B, N, K), w.dtype)
-                    nodes.append(Node("reshape", (w,), (w2,), params(shape=(B, N, K)), t.source))
+                    nodes.append(Node("reshape", (w,), (w2,), Reshape((B, N, K)), t.source))
                     w = w2
-                ps = params(**dict(n.params), rhs_t=True)
+                ps = dataclasses.replace(n.params, rhs_t=True)
                 nodes.append(Node("matmul", (n.inputs[0], w), n.outputs, ps, n.source))
                 changed = True
                 continue
@@ -88,9 +90,9 @@ def swap_matmul(g: Graph) -> Graph:
             x = src.inputs[0]
             if x.shape == (1, *v.shape) and uses.get(x.id) == 1:
                 mid, src = src, made.get(x.id)
-        if src is None or src.op != "matmul" or not src.p("rhs_t", False):
+        if src is None or src.op != "matmul" or not src.params.rhs_t:
             continue
-        if src.p("epilogue") is not None or (mid is None and len(v.shape) != 3):
+        if src.params.epilogue is not None or (mid is None and len(v.shape) != 3):
             continue
         a, b = src.inputs
         swapped = Var((a.shape[0], b.shape[1], a.shape[1]), src.out.dtype)
@@ -99,7 +101,7 @@ def swap_matmul(g: Graph) -> Graph:
         else:
             nodes = [
                 Node("matmul", (b, a), (swapped,), src.params, src.source),
-                Node("reshape", (swapped,), t.outputs, params(shape=t.out.shape), t.source),
+                Node("reshape", (swapped,), t.outputs, Reshape(t.out.shape), t.source),
             ]
             drop.add(id(mid))
         drop.add(id(src))
@@ -121,7 +123,7 @@ def narrow_matmul(g: Graph) -> Graph:
     replace: dict[int, list[Node]] = {}  # convert node id -> its replacement nodes
     drop: set[int] = set()
     for c in g.nodes:
-        if c.op != "convert" or c.p("dtype") not in _NARROW:
+        if c.op != "convert" or c.params.dtype not in _NARROW:
             continue
         (x,) = c.inputs
         src = made.get(x.id)
@@ -135,8 +137,8 @@ def narrow_matmul(g: Graph) -> Graph:
             or uses.get(src.out.id) != 1
         ):
             continue
-        dt = c.p("dtype")
-        ps = params(**{**dict(src.params), "dtype": dt})
+        dt = c.params.dtype
+        ps = dataclasses.replace(src.params, dtype=dt)
         if mid is None:
             nodes = [Node("matmul", src.inputs, c.outputs, ps, src.source)]
         else:
@@ -163,7 +165,7 @@ def _reshape_root(v: Var, made: dict[int, Node], stick: int) -> Var:
 
 def _sink_one(c: Node, made: dict[int, Node], stick: int) -> list[Node] | None:
     """:func:`sink_reshapes` for one map: its replacement nodes, or None."""
-    body: MapBody = c.p("body")
+    body: MapBody = c.params.body
     for s, v in enumerate(c.inputs):
         if v.shape != body.space or body.views[s] != InputView.identity(len(v.shape)):
             continue  # (an identity view of a longer input is a slice of it)
@@ -203,8 +205,8 @@ def _sink_one(c: Node, made: dict[int, Node], stick: int) -> list[Node] | None:
             y = Var(u.shape, c.out.dtype)
             nb = MapBody(u.shape, tuple(views), body.program, "", (), body.out_dtype)
             return [
-                Node("map", tuple(ins), (y,), params(body=nb), c.source),
-                Node("reshape", (y,), c.outputs, params(shape=c.out.shape), c.source),
+                Node("map", tuple(ins), (y,), Map(nb), c.source),
+                Node("reshape", (y,), c.outputs, Reshape(c.out.shape), c.source),
             ]
     return None
 
@@ -222,7 +224,7 @@ def sink_reshapes(g: Graph, card: CardSpec) -> Graph:
         made = {o.id: n for n in g.nodes for o in n.outputs}
         replace: dict[int, list[Node]] = {}
         for c in g.nodes:
-            if c.op != "map" or c.p("body").reduce or c.p("body").program_reduce_axes():
+            if c.op != "map" or c.params.body.reduce or c.params.body.program_reduce_axes():
                 continue
             new = _sink_one(c, made, card.stick_bytes)
             if new is not None:
@@ -271,7 +273,7 @@ def fuse_epilogue(g: Graph) -> Graph:
     for c in g.nodes:
         if c.op != "map" or len(c.inputs) - 1 > EPILOGUE_INPUTS:
             continue
-        body: MapBody = c.p("body")
+        body: MapBody = c.params.body
         if body.reduce or body.program_reduce_axes():
             continue
         for slot, v in enumerate(c.inputs):
@@ -286,7 +288,7 @@ def fuse_epilogue(g: Graph) -> Graph:
                 src is None
                 or id(src) in drop
                 or src.op != "matmul"
-                or src.p("epilogue") is not None
+                or src.params.epilogue is not None
                 or 0 in src.out.shape
                 or src.inputs[0].shape[2] == 0
                 or body.space != v.shape
@@ -294,14 +296,14 @@ def fuse_epilogue(g: Graph) -> Graph:
                 continue
             ep = _lift(body, slot) if mid is not None else body
             extras = tuple(u for i, u in enumerate(c.inputs) if i != slot)
-            ps = params(**dict(src.params), epilogue=ep, acc_slot=slot)
+            ps = dataclasses.replace(src.params, epilogue=Fused(ep, slot))
             if mid is None:
                 nodes = [Node("matmul", src.inputs + extras, c.outputs, ps, src.source)]
             else:
                 y = Var(src.out.shape, body.out_dtype)
                 nodes = [
                     Node("matmul", src.inputs + extras, (y,), ps, src.source),
-                    Node("reshape", (y,), c.outputs, params(shape=c.out.shape), mid.source),
+                    Node("reshape", (y,), c.outputs, Reshape(c.out.shape), mid.source),
                 ]
                 drop.add(id(mid))
             drop.add(id(src))
@@ -313,14 +315,13 @@ def fuse_epilogue(g: Graph) -> Graph:
 def unfuse_epilogue(n: Node) -> list[Node]:
     """A matmul with an epilogue as the matmul and the map it came from (the scheduler's
     fallback when the fused stage does not fit)."""
-    ep: MapBody = n.p("epilogue")
-    slot = n.p("acc_slot", 0)
-    ps = params(**{k: v for k, v in n.params if k not in ("epilogue", "acc_slot")})
+    ep, slot = n.params.epilogue.body, n.params.epilogue.slot
+    ps = dataclasses.replace(n.params, epilogue=None)
     a, b, ep_ins, pro_ins = matmul_inputs(n)  # a prologue's inputs stay with the matmul
-    prod = Var(n.out.shape, n.p("dtype"))
+    prod = Var(n.out.shape, n.params.dtype)
     extras = list(ep_ins)
     extras.insert(slot, prod)
     return [
         Node("matmul", (a, b, *pro_ins), (prod,), ps, n.source),
-        Node("map", tuple(extras), n.outputs, params(body=ep), n.source),
+        Node("map", tuple(extras), n.outputs, Map(ep), n.source),
     ]

@@ -31,7 +31,8 @@ from device_model.card import CardSpec
 from device_model.layout import layout_for, np_dtype
 from device_model.ops import REDUCTIONS, ROW_REDUCTIONS, InputView, MapBody
 
-from .graph import Graph, Node, Var, params
+from .graph import Graph, Node, Var
+from .op_params import Broadcast, Elementwise, Map
 
 __all__ = [
     "fold_empty",
@@ -86,14 +87,14 @@ def _map(
     axes: tuple[int, ...] = (),
 ) -> Node:
     body = MapBody(tuple(space), tuple(views), tuple(program), reduce, tuple(axes), n.out.dtype)
-    return Node("map", tuple(inputs), n.outputs, params(body=body), n.source)
+    return Node("map", tuple(inputs), n.outputs, Map(body), n.source)
 
 
 def _single(n: Node, card: CardSpec) -> Node | None:
     op, out = n.op, n.out
     if op == "elementwise":
         nvar = len(n.inputs)
-        scal = {pos: (v, dt) for pos, v, dt in n.p("scalars", ())}
+        scal = {pos: (v, dt) for pos, v, dt in n.params.scalars}
         prog: list = []
         regs: list[int] = []
         vi = 0
@@ -105,7 +106,7 @@ def _single(n: Node, card: CardSpec) -> Node | None:
             else:
                 regs.append(vi)
                 vi += 1
-        prog.append((n.p("fn"), tuple(regs), n.p("param"), out.dtype))
+        prog.append((n.params.fn, tuple(regs), n.params.param, out.dtype))
         views = [InputView.identity(len(v.shape)) for v in n.inputs]
         return _map(n, list(n.inputs), views, prog, out.shape)
     if op == "convert":
@@ -115,7 +116,7 @@ def _single(n: Node, card: CardSpec) -> Node | None:
     copy = [("copy", (0,), None, out.dtype)]
     if op == "broadcast":
         (x,) = n.inputs
-        shape, dims = n.p("shape"), n.p("dims")
+        shape, dims = n.params.shape, n.params.dims
         if not x.shape:
             view = InputView((), (), (), ())
         else:
@@ -124,7 +125,7 @@ def _single(n: Node, card: CardSpec) -> Node | None:
         return _map(n, [x], [view], copy, out.shape)
     if op == "transpose":
         (x,) = n.inputs
-        perm = n.p("perm")
+        perm = n.params.perm
         dims = [0] * len(perm)
         for i, p in enumerate(perm):
             dims[p] = i
@@ -135,7 +136,7 @@ def _single(n: Node, card: CardSpec) -> Node | None:
     if op == "slice":
         (x,) = n.inputs
         r = len(x.shape)
-        view = InputView(tuple(range(r)), tuple(n.p("starts")), tuple(n.p("strides")), (False,) * r)
+        view = InputView(tuple(range(r)), n.params.starts, n.params.strides, (False,) * r)
         return _map(n, [x], [view], copy, out.shape)
     if op == "reduce":
         (x,) = n.inputs
@@ -143,7 +144,7 @@ def _single(n: Node, card: CardSpec) -> Node | None:
         # carrying the values in the result dtype would truncate floats before the comparison
         prog = [("copy", (0,), None, x.dtype)]
         return _map(
-            n, [x], [InputView.identity(len(x.shape))], prog, x.shape, n.p("kind"), n.p("axes")
+            n, [x], [InputView.identity(len(x.shape))], prog, x.shape, n.params.kind, n.params.axes
         )
     if op == "reshape":
         (x,) = n.inputs
@@ -188,19 +189,19 @@ def fold_empty(g: Graph) -> Graph:
         out = n.out
         fill = None
         if n.op == "reduce" and empty(n.inputs[0]):
-            fill = _identity(n.p("kind"), out.dtype)
+            fill = _identity(n.params.kind, out.dtype)
         elif n.op == "matmul" and n.inputs[0].shape[2] == 0:
             fill = np.zeros((), np_dtype(out.dtype))
         if fill is not None:
             c = Var((), out.dtype)
             consts.append((c, fill))
-            ps = params(shape=out.shape, dims=())
+            ps = Broadcast(out.shape, ())
             nodes.append(Node("broadcast", (c,), n.outputs, ps, n.source))
             continue
         if n.op == "concatenate" and any(empty(v) for v in n.inputs):
             ins = tuple(v for v in n.inputs if not empty(v))
             if len(ins) == 1:
-                ps = params(fn="copy", scalars=(), dtype=out.dtype, shape=out.shape, param=None)
+                ps = Elementwise("copy", out.dtype, (), out.shape)
                 nodes.append(Node("elementwise", ins, n.outputs, ps, n.source))
             else:
                 nodes.append(Node(n.op, ins, n.outputs, n.params, n.source))
@@ -281,8 +282,8 @@ def _space_view(p: Node, c: Node, slot: int) -> InputView | None:
     axis reduced inside the producer (its final reduction and its in-program ones) must then be
     a whole consumer dim read one-to-one, so the recomputed reduction covers the same elements.
     """
-    pb: MapBody = p.p("body")
-    cb: MapBody = c.p("body")
+    pb: MapBody = p.params.body
+    cb: MapBody = c.params.body
     if pb.reduce not in _FUSIBLE_REDUCE:
         return None
     vc = cb.views[slot]
@@ -335,8 +336,8 @@ def _merge(p: Node, c: Node, slot: int, ext: InputView) -> Node:
     land on, and a final reduction of ``p`` becomes an in-program one whose result ``c`` reads
     broadcast.
     """
-    pb: MapBody = p.p("body")
-    cb: MapBody = c.p("body")
+    pb: MapBody = p.params.body
+    cb: MapBody = c.params.body
     c_ins = [v for i, v in enumerate(c.inputs) if i != slot]
     c_views = [w for i, w in enumerate(cb.views) if i != slot]
     ins = c_ins + list(p.inputs)
@@ -368,12 +369,12 @@ def _merge(p: Node, c: Node, slot: int, ext: InputView) -> Node:
 
     prog += [(o, tuple(c_reg(a) for a in args), prm, dt) for o, args, prm, dt in cb.program]
     body = MapBody(cb.space, tuple(views), tuple(prog), cb.reduce, cb.reduce_axes, cb.out_dtype)
-    return _cse(_dedupe(Node("map", tuple(ins), c.outputs, params(body=body), c.source)))
+    return _cse(_dedupe(Node("map", tuple(ins), c.outputs, Map(body), c.source)))
 
 
 def _dedupe(n: Node) -> Node:
     """Merge inputs that are the same var read through the same view."""
-    b: MapBody = n.p("body")
+    b: MapBody = n.params.body
     seen: dict[tuple[int, InputView], int] = {}
     keep: list[int] = []
     remap: dict[int, int] = {}
@@ -396,13 +397,13 @@ def _dedupe(n: Node) -> Node:
     body = MapBody(
         b.space, tuple(b.views[i] for i in keep), prog, b.reduce, b.reduce_axes, b.out_dtype
     )
-    return Node("map", tuple(n.inputs[i] for i in keep), n.outputs, params(body=body), n.source)
+    return Node("map", tuple(n.inputs[i] for i in keep), n.outputs, Map(body), n.source)
 
 
 def _cse(n: Node) -> Node:
     """Drop program ops that repeat an earlier op on the same registers (a producer recomputed
     twice in one consumer, once per path, is computed once). The last op, the result, stays."""
-    b: MapBody = n.p("body")
+    b: MapBody = n.params.body
     nin = len(n.inputs)
     first: dict[tuple, int] = {}
     remap: dict[int, int] = {}
@@ -420,11 +421,11 @@ def _cse(n: Node) -> Node:
     if len(prog) == len(b.program):
         return n
     body = MapBody(b.space, b.views, tuple(prog), b.reduce, b.reduce_axes, b.out_dtype)
-    return Node("map", n.inputs, n.outputs, params(body=body), n.source)
+    return Node("map", n.inputs, n.outputs, Map(body), n.source)
 
 
 def _is_view_only(n: Node) -> bool:
-    b: MapBody = n.p("body")
+    b: MapBody = n.params.body
     return (
         len(b.program) == 1
         and b.program[0][0] == "copy"
@@ -518,7 +519,7 @@ class _Fuser:
     ) -> Node | None:
         for slot, v in enumerate(c.inputs):
             p = producer.get(v.id)
-            if p is None or p is c or p.p("body").reduce:
+            if p is None or p is c or p.params.body.reduce:
                 continue
             exclusive = v.id not in self.outputs and all(u == ci for u in uses[v.id])
             if not (exclusive or _is_view_only(p)):

@@ -27,6 +27,7 @@ scratchpad, the scheduler runs the prologue as a map and the matmul after it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,8 @@ from device_model.card import CardSpec
 from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 
 from .errors import TilingError
-from .graph import Graph, Node, Var, matmul_inputs, params
+from .graph import Graph, Node, Var, matmul_inputs
+from .op_params import Fused, Map, Reshape
 from .passes import _splice, dce, is_free_reshape
 
 __all__ = ["fuse_prologue", "unfuse_prologue", "split_norm"]
@@ -171,7 +173,7 @@ def _over(
     """Map ``n`` re-expressed over the matmul's lhs shape ``lhs`` (``[B, M, K]``, the same K):
     its body, its inputs (the full-size ones reshaped), and the (input, reshaped) pairs to
     make. None unless every input is read whole (reshaped for free) or only along K."""
-    body: MapBody = n.p("body")
+    body: MapBody = n.params.body
     space = body.space
     if space == lhs:
         return body, list(n.inputs), []
@@ -238,7 +240,7 @@ def _matmul_readers(
             elif r.op == "matmul" and len(u.shape) == 3:
                 if r.inputs[0] is not u or any(x is u for x in r.inputs[1:]):
                     return False
-                if r.p("prologue") is not None or 0 in r.out.shape:
+                if r.params.prologue is not None or 0 in r.out.shape:
                     return False
                 mms[id(r)] = r
                 shapes.add(u.shape)
@@ -284,7 +286,7 @@ def fuse_prologue(
     replace: dict[int, list[Node]] = {}
     taken: set[int] = set()  # matmuls already given a prologue in this pass
     for n in g.nodes:
-        if n.op != "map" or split_norm(n.p("body")) is None:
+        if n.op != "map" or split_norm(n.params.body) is None:
             continue
         found = _matmul_readers(n.out, readers, outputs, stick)
         if found is None:
@@ -302,11 +304,11 @@ def fuse_prologue(
         stats, pro_body, ins_p, row = parts
         if ins[ins_p[row]].shape != lhs_shape:  # an identity view of a longer input: a slice
             continue
-        made = [Node("reshape", (w,), (u,), params(shape=lhs_shape), n.source) for w, u in pairs]
+        made = [Node("reshape", (w,), (u,), Reshape(lhs_shape), n.source) for w, u in pairs]
         stat_vars = []
         for stats_body, ins_s in stats:
             stat = Var(lhs_shape[:-1], "float32")
-            ps = params(body=stats_body)
+            ps = Map(stats_body)
             made.append(Node("map", tuple(ins[r] for r in ins_s), (stat,), ps, n.source))
             stat_vars.append(stat)
         pro_ins = [ins[r] for r in ins_p] + stat_vars
@@ -316,7 +318,7 @@ def fuse_prologue(
                 "matmul",
                 (lhs, *m.inputs[1:], *pro_ins),
                 m.outputs,
-                params(**dict(m.params), prologue=pro_body, lhs_slot=row),
+                dataclasses.replace(m.params, prologue=Fused(pro_body, row)),
                 m.source,
             )
             for m in mms
@@ -342,13 +344,13 @@ def fuse_prologue(
 def unfuse_prologue(n: Node) -> list[Node]:
     """A matmul with a prologue as the prologue's map, which makes the lhs, and the matmul
     (the scheduler's fallback when the fused stage does not fit)."""
-    pro: MapBody = n.p("prologue")
+    pro: MapBody = n.params.prologue.body
     a, b, ep_ins, pro_ins = matmul_inputs(n)
     ins = list(pro_ins)
-    ins.insert(n.p("lhs_slot", 0), a)
+    ins.insert(n.params.prologue.slot, a)
     lhs = Var(a.shape, pro.out_dtype)
-    ps = params(**{k: v for k, v in n.params if k not in ("prologue", "lhs_slot")})
+    ps = dataclasses.replace(n.params, prologue=None)
     return [
-        Node("map", tuple(ins), (lhs,), params(body=pro), n.source),
+        Node("map", tuple(ins), (lhs,), Map(pro), n.source),
         Node("matmul", (lhs, b, *ep_ins), n.outputs, ps, n.source),
     ]

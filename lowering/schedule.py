@@ -54,6 +54,7 @@ from device_model.timing import stage_cost
 from .errors import TilingError
 from .graph import Graph, Node, Var
 from .matmul_passes import unfuse_epilogue
+from .op_params import Map
 from .passes import is_free_reshape
 from .prologue import unfuse_prologue
 from .tile_map import _map_general
@@ -105,7 +106,7 @@ def _map_stage(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
         if dry:
             raise
         first_err = err
-    body: MapBody = n.p("body")
+    body: MapBody = n.params.body
     return _map_general(
         ctx,
         body,
@@ -129,7 +130,7 @@ def _map_stage_whole(ctx: _Ctx, n: Node, dry: bool = False) -> list[Stage]:
     into the output's layout. With ``dry`` only the tiling is chosen (TilingError when none fits)
     and no stage is returned.
     """
-    body: MapBody = n.p("body")
+    body: MapBody = n.params.body
     in_names = [ctx.name(v) for v in n.inputs]
     in_lays = [ctx.layout(v) for v in n.inputs]
     out_name, out_lay = ctx.name(n.out), ctx.layout(n.out)
@@ -364,7 +365,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     a, b = n.inputs[:2]
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
-    rhs_t = bool(n.p("rhs_t", False))
+    rhs_t = n.params.rhs_t
     Kp, No = la.device_shape[2], lo.device_shape[2]
     Kr = lb.device_shape[2] if rhs_t else K  # the rhs block's K when it is the whole K
     if rhs_t:
@@ -393,7 +394,7 @@ def _matmul_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     cands_all: list[tuple[float, int, int, tuple[int, int], int, bool]] = []
     ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
     pro_items_of: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
-    pro_body: MapBody | None = n.p("prologue")
+    pro_body = n.params.prologue.body if n.params.prologue is not None else None
     # a prologue's SFU time per lhs element (its tiles pass the SFUs before the PE)
     pro_s = 0.0
     if pro_body is not None:
@@ -505,7 +506,7 @@ def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
     )
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"), n.p("fill_value"))
+    body = GatherBody(ctx.name(table), table.shape[0], n.params.mode, n.params.fill_value)
     return Stage(
         f"s{len(ctx.stages)}",
         "gather",
@@ -564,7 +565,7 @@ def _reshape_stage_whole(ctx: _Ctx, n: Node) -> Stage:
 
 
 def _concat_stage_whole(ctx: _Ctx, n: Node) -> Stage:
-    ax = n.p("axis")
+    ax = n.params.axis
     lays = [ctx.layout(v) for v in n.inputs]
     lo = ctx.layout(n.out)
     r = len(n.out.shape)
@@ -643,7 +644,7 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
     """The stages of a node with a non-empty output that reads no elements (an input or the
     map's space has a 0), or None when the node is scheduled as usual."""
     if n.op == "map":
-        body: MapBody = n.p("body")
+        body: MapBody = n.params.body
         if 0 not in body.space:
             return None
         kind = body.reduce
@@ -657,17 +658,17 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
         value = REDUCTIONS[kind].identity_value(np_dtype(compute_dtype(n.out.dtype)))
         return _fill_stages(ctx, n.out, value.item(), n.source)
     if n.op == "matmul" and n.inputs[0].shape[2] == 0:
-        if n.p("prologue") is not None:  # an empty lhs: nothing for the prologue to do
+        if n.params.prologue is not None:  # an empty lhs: nothing for the prologue to do
             for m in unfuse_prologue(n):
                 _schedule_node(ctx, m, ctx.card)
             return []
-        if n.p("epilogue") is not None:  # a product of zeros, then the epilogue's map
+        if n.params.epilogue is not None:  # a product of zeros, then the epilogue's map
             for m in unfuse_epilogue(n):
                 _schedule_node(ctx, m, ctx.card)
             return []
         return _fill_stages(ctx, n.out, 0, n.source)
     if n.op == "gather" and n.inputs[0].shape[0] == 0:
-        fill = n.p("fill_value")
+        fill = n.params.fill_value
         if fill is None:
             fill = float("nan") if n.out.dtype in ("float16", "bfloat16", "float32") else 0
         return _fill_stages(ctx, n.out, fill, n.source)
@@ -679,7 +680,7 @@ def _empty_input_stages(ctx: _Ctx, n: Node) -> list[Stage] | None:
             body = MapBody(
                 x.shape, (InputView.identity(r),), (("copy", (0,), None, x.dtype),), "", (), x.dtype
             )
-            m = Node("map", keep, n.outputs, (("body", body),), n.source)
+            m = Node("map", keep, n.outputs, Map(body), n.source)
             return _map_stage(ctx, m)
         return _concat_stage(ctx, Node(n.op, keep, n.outputs, n.params, n.source))
     return None
@@ -689,12 +690,12 @@ def _matmul_stage(ctx: _Ctx, n: Node) -> list[Stage]:
     try:
         return [_matmul_stage_whole(ctx, n)]
     except TilingError as err:
-        if n.p("prologue") is not None:
+        if n.params.prologue is not None:
             # the fused stage does not fit: the prologue's map makes the lhs, then the matmul
             for m in unfuse_prologue(n):
                 _schedule_node(ctx, m, ctx.card)
             return []
-        if n.p("epilogue") is not None:
+        if n.params.epilogue is not None:
             # the fused stage does not fit: the matmul and its epilogue's map, one by one
             for m in unfuse_epilogue(n):
                 _schedule_node(ctx, m, ctx.card)

@@ -42,7 +42,7 @@ def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
     N = n.out.shape[2]
-    rhs_t = bool(n.p("rhs_t", False))
+    rhs_t = n.params.rhs_t
     Kp, No = la.device_shape[2], lo.device_shape[2]
     if rhs_t:
         # an NT rhs [B, N, Kr]: N blocks in rows (whole output sticks; the last one may reach
@@ -177,7 +177,7 @@ def _gather_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
         [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
     )
     tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    body = GatherBody(ctx.name(table), table.shape[0], n.p("mode"), n.p("fill_value"))
+    body = GatherBody(ctx.name(table), table.shape[0], n.params.mode, n.params.fill_value)
     return [
         Stage(
             f"s{len(ctx.stages)}",
@@ -389,7 +389,7 @@ def _concat_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
     axis reads from each input the window of its positions (a window starts a whole stick
     before when the input's offset is not stick-aligned) and takes each position from the
     input whose range holds it."""
-    ax = n.p("axis")
+    ax = n.params.axis
     lays = [ctx.layout(v) for v in n.inputs]
     lo = ctx.layout(n.out)
     S = n.out.shape

@@ -417,6 +417,7 @@ class FusedMap:
         self.operands: list[Operand] = []
         self.layouts: list[TensorLayout] = []
         self.body: MapBody | None = None
+        self.slot = slot
         if body is None:
             return
         views = list(body.views)
@@ -438,20 +439,22 @@ class FusedMap:
 def epilogue_blocks(ctx: _Ctx, n: Node, tm: int, tno: int) -> FusedMap:
     """A matmul node's epilogue for output blocks ``[1, tm, tno]``: its operands are the node's
     inputs past the rhs (a prologue's come after them)."""
-    ep: MapBody | None = n.p("epilogue")
+    ep = n.params.epilogue
     extras = matmul_inputs(n)[2]
     bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
-    return FusedMap(ctx, ep, n.p("acc_slot", 0), extras, bl, "e", (0, 1, 2))
+    body, slot = (ep.body, ep.slot) if ep is not None else (None, 0)
+    return FusedMap(ctx, body, slot, extras, bl, "e", (0, 1, 2))
 
 
 def prologue_blocks(ctx: _Ctx, n: Node, tm: int, tk: int | None) -> FusedMap:
     """A matmul node's prologue for lhs blocks ``[1, tm, tk]`` (``tk`` None: the whole K, one
     block): its operands are the node's last inputs, a block of each loaded with the lhs's on
     every step; the lhs's K is the grid's axis 3."""
-    pro: MapBody | None = n.p("prologue")
+    pro = n.params.prologue
     extras = matmul_inputs(n)[3]
     bl: dict[int, int | None] = {0: 1, 1: tm, 2: tk}
-    return FusedMap(ctx, pro, n.p("lhs_slot", 0), extras, bl, "p", (0, 1, 3))
+    body, slot = (pro.body, pro.slot) if pro is not None else (None, 0)
+    return FusedMap(ctx, body, slot, extras, bl, "p", (0, 1, 3))
 
 
 def matmul_stage(
@@ -470,7 +473,7 @@ def matmul_stage(
     lhs, rhs, out = operands
     la, lb, lo = layouts
     B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N] (or [B, N, K]: rhs_t)
-    rhs_t = bool(n.p("rhs_t", False))
+    rhs_t = n.params.rhs_t
     N = n.out.shape[2]
     # an NT rhs in N blocks that do not divide N: the last block's rows past N load as NaN
     n_mask = N if rhs_t and N % rhs.block[1] else 0
@@ -508,13 +511,13 @@ def matmul_stage(
         flops += pro_flops
     body = MatmulBody(
         K,
-        n.p("dtype"),
+        n.params.dtype,
         rhs_t,
         n_mask,
         ep.body,
-        n.p("acc_slot", 0),
+        ep.slot,
         pro.body,
-        n.p("lhs_slot", 0),
+        pro.slot,
         pro_sfu,
     )
     return Stage(

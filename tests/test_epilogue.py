@@ -142,7 +142,7 @@ def test_an_epilogue_that_does_not_fit_runs_as_two_stages(small_card):
     g = low.graph
     for _, fn in pipeline.graph_passes(card):
         g = fn(g)
-    assert any(n.p("epilogue") is not None for n in g.nodes)  # fused, then scheduled apart
+    assert any(getattr(n.params, "epilogue", None) for n in g.nodes)  # fused, then scheduled apart
     peak = low.compile().cost_analysis()["scratchpad_peak_bytes"]
     assert peak <= card.scratchpad_usable_bytes
 

@@ -112,7 +112,7 @@ def test_pass_rewrites_and_checks():
     g2 = nt_matmul(g)
     check_graph(g2)
     assert [n.op for n in g2.nodes] == ["reshape", "matmul"]
-    assert g2.nodes[1].p("rhs_t") is True and g2.nodes[1].inputs[1].shape == (1, 30, 64)
+    assert g2.nodes[1].params.rhs_t is True and g2.nodes[1].inputs[1].shape == (1, 30, 64)
     assert nt_matmul(g2) is g2
 
 

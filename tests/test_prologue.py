@@ -156,10 +156,10 @@ def test_the_split_gives_the_norms_bits(rows, k, scale, dtype, seed, residual, k
     r = rng.standard_normal((rows, k)).astype(jdt)
     g = rng.standard_normal(k).astype(jdt)
     graph = _before(norm, "fuse_epilogue", x, r, g)
-    norms = [n for n in graph.nodes if n.op == "map" and n.p("body").program_reduce_axes()]
+    norms = [n for n in graph.nodes if n.op == "map" and n.params.body.program_reduce_axes()]
     assume(len(norms) == 1)  # (a one-element row: the fusion keeps the sum a stage)
     (node,) = norms
-    body = node.p("body")
+    body = node.params.body
     parts = prologue.split_norm(body)
     assert parts is not None, body
     stats, pro, ins_p, row = parts
@@ -258,7 +258,7 @@ def test_the_pass_fuses_only_where_the_timing_model_says_it_saves_time():
     calls = []
 
     def time_of(fused_cost: float, sub: GraphIR) -> float:
-        fused = any(n.op == "matmul" and n.p("prologue") is not None for n in sub.nodes)
+        fused = any(n.op == "matmul" and n.params.prologue is not None for n in sub.nodes)
         calls.append(fused)
         return fused_cost if fused else 1.0
 
@@ -266,7 +266,7 @@ def test_the_pass_fuses_only_where_the_timing_model_says_it_saves_time():
     assert same is graph and calls == [False, True]  # as slow fused: left as it was
     faster = prologue.fuse_prologue(graph, card, functools.partial(time_of, 0.5))
     check_graph(faster)
-    assert any(n.p("prologue") is not None for n in faster.nodes if n.op == "matmul")
+    assert any(n.params.prologue is not None for n in faster.nodes if n.op == "matmul")
 
 
 @pytest.mark.slow
@@ -281,7 +281,7 @@ def test_a_prologue_that_does_not_fit_runs_as_a_map(small_card, monkeypatch):
     graph = low.graph
     for _, fn in pipeline.graph_passes(card):
         graph = fn(graph)
-    assert any(n.op == "matmul" and n.p("prologue") is not None for n in graph.nodes)
+    assert any(n.op == "matmul" and n.params.prologue is not None for n in graph.nodes)
     kinds = _stages(low.kernel)  # the stats map (through a temp here), the prologue's map
     assert kinds[-1] == ("matmul", False) and ("matmul", True) not in kinds, kinds
     assert [s.kind for s in low.kernel.stages].count("map") >= 2

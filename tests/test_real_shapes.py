@@ -292,7 +292,7 @@ def test_fold_empty_pass():
     assert consts[e.id].shape == (0, 5)
     (ident,) = (consts[n.inputs[0].id] for n in f.nodes[:1])
     assert ident == -np.inf
-    assert f.nodes[1].p("fn") == "copy" and f.nodes[1].inputs == (y,)
+    assert f.nodes[1].params.fn == "copy" and f.nodes[1].inputs == (y,)
     assert consts[f.nodes[2].inputs[0].id] == 0
     plain = Graph("p", (y,), (Node("concatenate", (y, y), (Var((3, 8), "float32"),)),), ())
     assert fold_empty(plain) is plain

@@ -1,0 +1,327 @@
+"""The typed parameters of the graph IR's ops: one frozen, hashable dataclass per op.
+
+A :class:`~lowering.graph.Node` carries an instance of its op's class (:data:`PARAMS` maps
+each op to it); :func:`~lowering.graph.check_graph` checks that it is one and that each field
+is well-formed (:meth:`Params.check`), the way torch.fx's lint checks its opcodes. The
+importers build them from keywords (:func:`make_params`, through ``Builder.emit``); the passes
+copy them with :func:`dataclasses.replace`.
+
+A params class whose op holds graphs (a loop's or a branch's body) returns them from
+:meth:`Params.subgraphs`; the checker checks each of them too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from device_model.layout import DTYPES
+from device_model.ops import ELEMENTWISE, MapBody, Reduce
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+__all__ = [
+    "GraphError",
+    "Params",
+    "Fused",
+    "Elementwise",
+    "Convert",
+    "Broadcast",
+    "Transpose",
+    "Slice",
+    "Reshape",
+    "Concatenate",
+    "ReduceParams",
+    "Matmul",
+    "Gather",
+    "Map",
+    "PARAMS",
+    "GATHER_MODES",
+    "make_params",
+]
+
+GATHER_MODES = ("clip", "fill")
+_KINDS = frozenset(r.value for r in Reduce)
+
+
+class GraphError(ValueError):
+    """A graph that breaks an invariant (raised by :func:`~lowering.graph.check_graph`)."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise GraphError(msg)
+
+
+_INTS = "tuple[int, ...]"  # the annotation (a string: postponed) of an int-tuple field
+
+
+def _ints(v: Any) -> Any:
+    """``v`` as a tuple of Python ints when it is a sequence of integers (NumPy's, a list),
+    else unchanged (for the checker to reject)."""
+    if isinstance(v, list | tuple):
+        try:
+            return tuple(operator.index(x) for x in v)
+        except TypeError:
+            return v
+    return v
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The base of every op's parameters. Fields annotated ``tuple[int, ...]`` are normalized
+    to tuples of ints and checked as such; subclasses name the optional fields not printed at
+    their default in ``_quiet``."""
+
+    _quiet: ClassVar[tuple[str, ...]] = ()
+
+    def _int_fields(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self) if f.type == _INTS]
+
+    def __post_init__(self) -> None:
+        for name in self._int_fields():
+            object.__setattr__(self, name, _ints(getattr(self, name)))
+
+    def subgraphs(self) -> tuple[Graph, ...]:
+        """The graphs this op holds (a body), which the checker checks too; none by default."""
+        return ()
+
+    def check(self, op: str) -> None:
+        """Raise GraphError unless every field is well-formed (types and closed sets)."""
+        for name in self._int_fields():
+            v = getattr(self, name)
+            ok = isinstance(v, tuple) and all(type(x) is int for x in v)
+            _need(ok, f"{op}: {name}={v!r} is not a tuple of ints")
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        """``(name, value)`` pairs as the printer shows them, by name."""
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name not in self._quiet or v != f.default:
+                out.append((f.name, v))
+        return tuple(sorted(out, key=lambda kv: kv[0]))
+
+    @classmethod
+    def _keywords(cls, op: str, kw: dict[str, Any]) -> dict[str, Any]:
+        """Older keyword spellings mapped onto the fields (none by default)."""
+        return kw
+
+
+def _dtype(op: str, name: str, v: Any) -> None:
+    _need(isinstance(v, str) and v in DTYPES, f"{op}: {name}={v!r} is not a card dtype")
+
+
+def _body(op: str, name: str, v: Any) -> None:
+    _need(isinstance(v, MapBody), f"{op}: {name} is a {type(v).__name__}, not a MapBody")
+
+
+@dataclass(frozen=True, slots=True)
+class Elementwise(Params):
+    """``fn`` (a name in ``device_model.ops.ELEMENTWISE``) of the inputs; scalar operands are
+    immediates in ``scalars`` (``(position, value, dtype)`` triples); ``param``: the fn's own
+    (``integer_pow``'s exponent)."""
+
+    fn: str
+    dtype: str
+    scalars: tuple[tuple[int, Any, str], ...] = ()
+    shape: tuple[int, ...] | None = None
+    param: Any = None
+
+    def __post_init__(self) -> None:
+        if self.shape is not None:
+            object.__setattr__(self, "shape", _ints(self.shape))
+        if isinstance(self.scalars, list):
+            object.__setattr__(self, "scalars", tuple(self.scalars))
+
+    def check(self, op: str) -> None:
+        _need(
+            isinstance(self.fn, str) and self.fn in ELEMENTWISE,
+            f"unknown elementwise fn {self.fn!r}",
+        )
+        _dtype(op, "dtype", self.dtype)
+        sh = self.shape
+        ok = sh is None or (isinstance(sh, tuple) and all(type(x) is int for x in sh))
+        _need(ok, f"{op}: shape={sh!r} is not a tuple of ints")
+        _need(isinstance(self.scalars, tuple), f"{op}: scalars={self.scalars!r} is not a tuple")
+        for s in self.scalars:
+            ok = isinstance(s, tuple) and len(s) == 3 and type(s[0]) is int
+            _need(ok, f"{op}: scalar {s!r} is not (position, value, dtype)")
+            _dtype(op, "a scalar's dtype", s[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast(Params):
+    """jax's broadcast_in_dim: operand dim ``j`` is result dim ``dims[j]``."""
+
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Convert(Params):
+    dtype: str
+
+    def check(self, op: str) -> None:
+        _dtype(op, "dtype", self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Transpose(Params):
+    """Result dim ``i`` is operand dim ``perm[i]``."""
+
+    perm: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Concatenate(Params):
+    axis: int = 0
+
+    def check(self, op: str) -> None:
+        _need(type(self.axis) is int, f"{op}: axis={self.axis!r} is not an int")
+
+
+@dataclass(frozen=True, slots=True)
+class Slice(Params):
+    """``x[starts:limits:strides]`` per dim."""
+
+    starts: tuple[int, ...]
+    limits: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reshape(Params):
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceParams(Params):
+    """``kind`` (a ``device_model.ops.Reduce``) over ``axes``."""
+
+    kind: Reduce
+    axes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        Params.__post_init__(self)
+        if isinstance(self.kind, str) and self.kind in _KINDS:
+            object.__setattr__(self, "kind", Reduce(self.kind))
+
+    def check(self, op: str) -> None:
+        _need(isinstance(self.kind, Reduce), f"unknown reduction kind {self.kind!r}")
+        Params.check(self, op)
+
+
+@dataclass(frozen=True, slots=True)
+class Fused:
+    """A map fused into a matmul: ``body`` (elementwise, over the product's or the lhs's
+    shape), whose input ``slot`` is the product (an epilogue) or the lhs (a prologue)."""
+
+    body: MapBody
+    slot: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Matmul(Params):
+    """``[B, M, K] x [B, K, N] -> [B, M, N]`` in ``dtype`` (``rhs_t``: the rhs given as
+    ``[B, N, K]``); after fusion an ``epilogue`` applied to the product on its way out and a
+    ``prologue`` to the lhs on its way in. Printed with the slots as ``acc_slot`` and
+    ``lhs_slot``, as keywords may still spell them."""
+
+    dtype: str
+    rhs_t: bool = False
+    epilogue: Fused | None = None
+    prologue: Fused | None = None
+    _quiet: ClassVar[tuple[str, ...]] = ("rhs_t", "epilogue", "prologue")
+
+    def check(self, op: str) -> None:
+        _dtype(op, "dtype", self.dtype)
+        _need(isinstance(self.rhs_t, bool), f"matmul rhs_t={self.rhs_t!r} is not a bool")
+        for name in ("epilogue", "prologue"):
+            f = getattr(self, name)
+            if f is not None:
+                _need(isinstance(f, Fused), f"{op}: {name} is a {type(f).__name__}, not a Fused")
+                _body(op, name, f.body)
+                _need(type(f.slot) is int, f"{op}: {name} slot {f.slot!r} is not an int")
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        out = [("dtype", self.dtype)] + ([("rhs_t", self.rhs_t)] if self.rhs_t else [])
+        for name, slot in (("epilogue", "acc_slot"), ("prologue", "lhs_slot")):
+            f = getattr(self, name)
+            if f is not None:
+                out += [(name, f.body), (slot, f.slot)]
+        return tuple(sorted(out, key=lambda kv: kv[0]))
+
+    @classmethod
+    def _keywords(cls, op: str, kw: dict[str, Any]) -> dict[str, Any]:
+        kw = dict(kw)
+        for name, slot in (("epilogue", "acc_slot"), ("prologue", "lhs_slot")):
+            s = kw.pop(slot, 0)
+            if isinstance(kw.get(name), MapBody):
+                kw[name] = Fused(kw[name], s)
+            elif s:
+                raise GraphError(f"op {op!r}: {slot} without a MapBody {name}")
+        return kw
+
+
+@dataclass(frozen=True, slots=True)
+class Gather(Params):
+    """Rows of a table by int32 indices; ``mode`` clip clamps them, fill gives ``fill_value``
+    (None: NaN for floats, 0 for integers) for rows out of range."""
+
+    mode: str
+    fill_value: float | int | None = None
+    _quiet: ClassVar[tuple[str, ...]] = ("fill_value",)
+
+    def check(self, op: str) -> None:
+        _need(self.mode in GATHER_MODES, f"{op}: mode={self.mode!r} is not one of {GATHER_MODES}")
+        fv = self.fill_value
+        _need(fv is None or isinstance(fv, int | float), f"{op}: fill_value={fv!r} is not a number")
+
+
+@dataclass(frozen=True, slots=True)
+class Map(Params):
+    """A fused SFU chain (made by the fusion passes)."""
+
+    body: MapBody
+
+    def check(self, op: str) -> None:
+        _body(op, "body", self.body)
+
+
+#: op name -> its params class (what :func:`~lowering.graph.check_graph` checks a node against)
+PARAMS: dict[str, type[Params]] = {
+    "elementwise": Elementwise,
+    "convert": Convert,
+    "broadcast": Broadcast,
+    "transpose": Transpose,
+    "slice": Slice,
+    "reshape": Reshape,
+    "concatenate": Concatenate,
+    "reduce": ReduceParams,
+    "matmul": Matmul,
+    "gather": Gather,
+    "map": Map,
+}
+
+
+def make_params(op: str, **kw: Any) -> Params:
+    """``op``'s params from keywords; GraphError naming the op for an unknown op, an unknown
+    keyword or a missing one."""
+    cls = PARAMS.get(op)
+    if cls is None:
+        _need(not kw, f"unknown op {op!r}")
+        return Params()
+    kw = cls._keywords(op, kw)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kw) - set(names))
+    _need(
+        not unknown, f"op {op!r} has no parameter {', '.join(unknown)} (it has {', '.join(names)})"
+    )
+    try:
+        return cls(**kw)
+    except TypeError as e:
+        raise GraphError(f"op {op!r}: {e}") from None
