@@ -31,14 +31,13 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from device_model.layout import check_dtype
 from device_model.ops import ELEMENTWISE, REDUCTIONS, InputView, MapBody
 
-from .op_params import PARAMS, GraphError, Map, Params, make_params
+from .op_params import PARAMS, GraphError, Map, Params
 
 __all__ = [
     "Var",
@@ -74,18 +73,13 @@ def _ty(v: Var) -> str:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Node:
-    """One op. ``params`` is an instance of the op's params class; keywords from
-    :func:`params` (or none) are made into one by the op."""
+    """One op. ``params`` is an instance of the op's params class (:data:`PARAMS`)."""
 
     op: str
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
-    params: Params = ()  # type: ignore[assignment]  # () or params(...): the op's class is made
+    params: Params
     source: str = ""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.params, tuple):
-            object.__setattr__(self, "params", make_params(self.op, **dict(self.params)))
 
     @property
     def out(self) -> Var:
@@ -102,11 +96,6 @@ class Graph:
 
     def __str__(self) -> str:
         return format_graph(self)
-
-
-def params(**kw: Any) -> tuple[tuple[str, Any], ...]:
-    """Keywords for a hand-built :class:`Node`, which its op makes into its params class."""
-    return tuple(sorted(kw.items()))
 
 
 # ---------------------------------------------------------------------------------------------

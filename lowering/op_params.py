@@ -105,11 +105,6 @@ class Params:
                 out.append((f.name, v))
         return tuple(sorted(out, key=lambda kv: kv[0]))
 
-    @classmethod
-    def _keywords(cls, op: str, kw: dict[str, Any]) -> dict[str, Any]:
-        """Older keyword spellings mapped onto the fields (none by default)."""
-        return kw
-
 
 def _dtype(op: str, name: str, v: Any) -> None:
     _need(isinstance(v, str) and v in DTYPES, f"{op}: {name}={v!r} is not a card dtype")
@@ -178,7 +173,7 @@ class Transpose(Params):
 
 @dataclass(frozen=True, slots=True)
 class Concatenate(Params):
-    axis: int = 0
+    axis: int
 
     def check(self, op: str) -> None:
         _need(type(self.axis) is int, f"{op}: axis={self.axis!r} is not an int")
@@ -229,7 +224,7 @@ class Matmul(Params):
     """``[B, M, K] x [B, K, N] -> [B, M, N]`` in ``dtype`` (``rhs_t``: the rhs given as
     ``[B, N, K]``); after fusion an ``epilogue`` applied to the product on its way out and a
     ``prologue`` to the lhs on its way in. Printed with the slots as ``acc_slot`` and
-    ``lhs_slot``, as keywords may still spell them."""
+    ``lhs_slot``."""
 
     dtype: str
     rhs_t: bool = False
@@ -254,17 +249,6 @@ class Matmul(Params):
             if f is not None:
                 out += [(name, f.body), (slot, f.slot)]
         return tuple(sorted(out, key=lambda kv: kv[0]))
-
-    @classmethod
-    def _keywords(cls, op: str, kw: dict[str, Any]) -> dict[str, Any]:
-        kw = dict(kw)
-        for name, slot in (("epilogue", "acc_slot"), ("prologue", "lhs_slot")):
-            s = kw.pop(slot, 0)
-            if isinstance(kw.get(name), MapBody):
-                kw[name] = Fused(kw[name], s)
-            elif s:
-                raise GraphError(f"op {op!r}: {slot} without a MapBody {name}")
-        return kw
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +299,6 @@ def make_params(op: str, **kw: Any) -> Params:
     if cls is None:
         _need(not kw, f"unknown op {op!r}")
         return Params()
-    kw = cls._keywords(op, kw)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(kw) - set(names))
     _need(

@@ -23,7 +23,8 @@ import spyre_jax
 import torch_bridge
 from device_model.ops import InputView, MapBody
 from lowering.graph import Graph as GraphIR
-from lowering.graph import GraphError, Node, Var, check_graph, params
+from lowering.graph import GraphError, Node, Var, check_graph
+from lowering.op_params import Fused, Matmul
 from spyre_jax.tools.testing import assert_close
 
 
@@ -166,7 +167,7 @@ def test_torch_mlp_linears_carry_bias_and_gelu():
 def _matmul_node(ep: MapBody, slot: int = 0) -> GraphIR:
     a, b, e = Var((1, 8, 16), "float16"), Var((1, 16, 32), "float16"), Var((32,), "float16")
     out = Var((1, 8, 32), ep.out_dtype)
-    n = Node("matmul", (a, b, e), (out,), params(dtype="float16", epilogue=ep, acc_slot=slot))
+    n = Node("matmul", (a, b, e), (out,), Matmul("float16", epilogue=Fused(ep, slot)))
     return GraphIR("g", (a, b, e), (n,), (out,), ())
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from device_model.ops import REDUCTIONS, Reduce, identity_value
-from lowering.graph import Graph, GraphError, Node, Var, check_graph, params
+from lowering.graph import Graph, GraphError, Node, Var, check_graph
+from lowering.op_params import ReduceParams
 from torch_bridge.pad_rules import RULES, PadKind, fill_value, rule_of
 
 aten = torch.ops.aten
@@ -60,7 +61,7 @@ def test_check_graph_rejects_an_unknown_reduction_kind():
     y = Var((4,), "float32")
     for kind, err in (("bogus", "unknown reduction kind 'bogus'"), ("argmax", None)):
         out = y if err else Var((4,), "int32")
-        n = Node("reduce", (x,), (out,), params(kind=kind, axes=(1,)))
+        n = Node("reduce", (x,), (out,), ReduceParams(kind, (1,)))
         g = Graph("g", (x,), (n,), (out,))
         if err is None:
             check_graph(g)
@@ -72,7 +73,7 @@ def test_check_graph_rejects_an_unknown_reduction_kind():
 def test_check_graph_rejects_a_one_axis_reduction_over_two():
     x = Var((4, 8), "float32")
     out = Var((), "int32")
-    n = Node("reduce", (x,), (out,), params(kind="argmax", axes=(0, 1)))
+    n = Node("reduce", (x,), (out,), ReduceParams(Reduce.ARGMAX, (0, 1)))
     with pytest.raises(GraphError, match="argmax over one axis"):
         check_graph(Graph("g", (x,), (n,), (out,)))
 

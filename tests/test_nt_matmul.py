@@ -19,8 +19,9 @@ import torch
 from test_reference import _arr, _check
 
 import torch_bridge
-from lowering.graph import Graph, Node, Var, check_graph, params
+from lowering.graph import Graph, Node, Var, check_graph
 from lowering.matmul_passes import nt_matmul
+from lowering.op_params import Matmul, Reshape, Transpose
 from spyre_jax.tools.testing import assert_close
 
 F16, BF16, F32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
@@ -103,9 +104,9 @@ def test_pass_rewrites_and_checks():
         "g",
         (a, w),
         (
-            Node("transpose", (w,), (t,), params(perm=(1, 0))),
-            Node("reshape", (t,), (r,), params(shape=(1, 64, 30))),
-            Node("matmul", (a, r), (o,), params(dtype="float16")),
+            Node("transpose", (w,), (t,), Transpose((1, 0))),
+            Node("reshape", (t,), (r,), Reshape((1, 64, 30))),
+            Node("matmul", (a, r), (o,), Matmul("float16")),
         ),
         (o,),
     )

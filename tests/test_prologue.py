@@ -32,7 +32,8 @@ from device_model.ops import InputView, MapBody
 from lowering import prologue
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph as GraphIR
-from lowering.graph import GraphError, Node, Var, check_graph, params
+from lowering.graph import GraphError, Node, Var, check_graph
+from lowering.op_params import Fused, Matmul
 from spyre_jax.tools.testing import assert_close
 
 BF16 = jnp.bfloat16
@@ -293,7 +294,7 @@ def _matmul_node(pro: MapBody, slot: int = 0) -> GraphIR:
     a, b = Var((1, 8, 16), "float16"), Var((1, 32, 16), "float16")
     s, gw = Var((1, 8), "float32"), Var((16,), "float16")
     out = Var((1, 8, 32), "float16")
-    ps = params(dtype="float16", rhs_t=True, prologue=pro, lhs_slot=slot)
+    ps = Matmul("float16", rhs_t=True, prologue=Fused(pro, slot))
     n = Node("matmul", (a, b, gw, s), (out,), ps)
     return GraphIR("g", (a, b, gw, s), (n,), (out,), ())
 

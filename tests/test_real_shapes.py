@@ -26,7 +26,9 @@ from conftest import torch_rand as _rand
 from jax import lax
 
 import spyre_jax
-from lowering.graph import Graph, Node, Var, params
+from device_model.ops import Reduce
+from lowering.graph import Graph, Node, Var
+from lowering.op_params import Concatenate, Elementwise, Matmul, ReduceParams
 from lowering.passes import fold_empty
 from spyre_jax.tools.testing import assert_tree_close, tolerance
 from torch_bridge import backend as tb
@@ -274,15 +276,15 @@ def test_fold_empty_pass():
     c = Var((3, 4), "float32")
     k0 = Var((1, 3, 0), "float32"), Var((1, 0, 4), "float32")
     mm = Var((1, 3, 4), "float32")
-    ew = params(fn="exp", scalars=(), dtype="float32", shape=(0, 5), param=None)
+    ew = Elementwise("exp", "float32", shape=(0, 5))
     g = Graph(
         "g",
         (x, y, *k0),
         (
             Node("elementwise", (x,), (e,), ew),
-            Node("reduce", (e,), (s,), params(kind="max", axes=(0,))),
-            Node("concatenate", (Var((3, 0), "float32"), y), (c,), params(axis=1)),
-            Node("matmul", k0, (mm,), params(dtype="float32")),
+            Node("reduce", (e,), (s,), ReduceParams(Reduce.MAX, (0,))),
+            Node("concatenate", (Var((3, 0), "float32"), y), (c,), Concatenate(1)),
+            Node("matmul", k0, (mm,), Matmul("float32")),
         ),
         (s, c, mm),
     )
@@ -294,7 +296,9 @@ def test_fold_empty_pass():
     assert ident == -np.inf
     assert f.nodes[1].params.fn == "copy" and f.nodes[1].inputs == (y,)
     assert consts[f.nodes[2].inputs[0].id] == 0
-    plain = Graph("p", (y,), (Node("concatenate", (y, y), (Var((3, 8), "float32"),)),), ())
+    plain = Graph(
+        "p", (y,), (Node("concatenate", (y, y), (Var((3, 8), "float32"),), Concatenate(1)),), ()
+    )
     assert fold_empty(plain) is plain
 
 
