@@ -58,7 +58,14 @@ from .op_params import Map
 from .passes import is_free_reshape
 from .prologue import unfuse_prologue
 from .tile_map import _map_general
-from .tile_moves import _concat_general, _gather_general, _matmul_general, _reshape_general
+from .tile_moves import (
+    _concat_general,
+    _gather_general,
+    _matmul_general,
+    _reshape_general,
+    lsu_stage,
+    reshape_stage,
+)
 from .tiling import (
     _STEP_OVERHEAD_S,
     _cands,
@@ -548,20 +555,9 @@ def _reshape_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     iop = Operand(vin, (ri, li.device_shape[1]), (0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (0, -1), "out")
     slots = 2 if grid[0] > ctx.ncores else 1
-    scratch = ctx.sp_plan([("in", iop.block, x.dtype, slots), ("out", out.block, x.dtype, slots)])
-    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "reshape",
-        grid,
-        -1,
-        (iop,),
-        out,
-        scratch,
-        (("LSU", "reshape", ReshapeBody(l_in, l_out)),),
-        *tabs,
-        source=n.source,
-    )
+    body = ReshapeBody(l_in, l_out)
+    name = f"s{len(ctx.stages)}"
+    return reshape_stage(ctx, name, grid, iop, out, (li, lo), x.dtype, slots, body, n.source)
 
 
 def _concat_stage_whole(ctx: _Ctx, n: Node) -> Stage:
@@ -604,20 +600,9 @@ def _concat_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         ]
         + [("out", ob, lo.dtype, slots)]
     )
-    tabs = _tables(grid, [*inputs, out], [*lays, lo], ctx.ncores)
     body = ConcatBody(ax, tuple(v.shape[ax] for v in n.inputs))
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "concat",
-        grid,
-        -1,
-        tuple(inputs),
-        out,
-        scratch,
-        (("LSU", "concat", body),),
-        *tabs,
-        source=n.source,
-    )
+    name, ops = f"s{len(ctx.stages)}", tuple(inputs)
+    return lsu_stage(ctx, name, "concat", grid, ops, out, [*lays, lo], scratch, body, n.source)
 
 
 # ---------------------------------------------------------------------------------------------

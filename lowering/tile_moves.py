@@ -7,11 +7,12 @@ of rows, concatenations tiled along their axis through windows of the inputs.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from device_model.kernel import Operand, Stage, TensorDecl
-from device_model.layout import layout_for
+from device_model.layout import TensorLayout, layout_for
 from device_model.ops import (
     ConcatBody,
     GatherBody,
@@ -32,6 +33,44 @@ from .tiling import (
     _tables,
     matmul_stage,
 )
+
+
+def lsu_stage(
+    ctx: _Ctx,
+    name: str,
+    kind: str,
+    grid: tuple[int, ...],
+    inputs: tuple[Operand, ...],
+    out: Operand,
+    lays: list[TensorLayout],
+    scratch: Any,
+    body: Any,
+    source: str,
+) -> Stage:
+    """A data-movement stage (``kind`` reshape or concat: the LSU moves the inputs' blocks into
+    ``out``'s) over ``grid``, with its scratchpad plan and step tables (``lays``: the inputs'
+    layouts, then the output's)."""
+    tabs = _tables(grid, [*inputs, out], lays, ctx.ncores)
+    return Stage(
+        name, kind, grid, -1, inputs, out, scratch, (("LSU", kind, body),), *tabs, source=source
+    )
+
+
+def reshape_stage(
+    ctx: _Ctx,
+    name: str,
+    grid: tuple[int, ...],
+    iop: Operand,
+    out: Operand,
+    lays: tuple[TensorLayout, TensorLayout],
+    dtype: str,
+    slots: int,
+    body: ReshapeBody,
+    source: str,
+) -> Stage:
+    """A reshape stage (the LSU re-lays ``iop``'s blocks as ``out``'s), ``slots`` per buffer."""
+    scratch = ctx.sp_plan([("in", iop.block, dtype, slots), ("out", out.block, dtype, slots)])
+    return lsu_stage(ctx, name, "reshape", grid, (iop,), out, list(lays), scratch, body, source)
 
 
 def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
@@ -312,20 +351,9 @@ def _reshape_chunks(
         out = Operand(vout, ob, (d0, d1), "out")
     multi = -(-g0 * g1 // ctx.ncores) > 1
     slots = 1 if single else (2 if multi else 1)
-    scratch = ctx.sp_plan([("in", iop.block, dt, slots), ("out", out.block, dt, slots)])
-    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    return Stage(
-        f"s{len(ctx.stages) + offset}",
-        "reshape",
-        grid,
-        -1,
-        (iop,),
-        out,
-        scratch,
-        (("LSU", "reshape", ReshapeBody(le_in, le_out)),),
-        *tabs,
-        source=n.source,
-    )
+    name = f"s{len(ctx.stages) + offset}"
+    body = ReshapeBody(le_in, le_out)
+    return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
 
 
 def _reshape_groups(
@@ -368,20 +396,9 @@ def _reshape_groups(
     iop = Operand(vin, (ri, li.device_shape[1]), (d0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (d0, -1), "out")
     slots = 1 if single else (2 if -(-grid[0] // ctx.ncores) > 1 else 1)
-    scratch = ctx.sp_plan([("in", iop.block, dt, slots), ("out", out.block, dt, slots)])
-    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "reshape",
-        grid,
-        -1,
-        (iop,),
-        out,
-        scratch,
-        (("LSU", "reshape", ReshapeBody(l_in, l_out)),),
-        *tabs,
-        source=n.source,
-    )
+    body = ReshapeBody(l_in, l_out)
+    name = f"s{len(ctx.stages)}"
+    return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
 
 
 def _concat_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
@@ -462,20 +479,10 @@ def _concat_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
         ]
         + [("out", ob, lo.dtype, slots)]
     )
-    tabs = _tables(grid, [*inputs, out], [*lays, lo], ctx.ncores)
     if bl.get(ax) is None:
         body = ConcatBody(ax, sizes)
     else:
         body = ConcatBody(ax, sizes, bl[ax], offsets, tuple(w[3] for w in ins), grid)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "concat",
-        grid,
-        -1,
-        tuple(inputs),
-        out,
-        scratch,
-        (("LSU", "concat", body),),
-        *tabs,
-        source=n.source,
-    )
+    name = f"s{len(ctx.stages)}"
+    ops = tuple(inputs)
+    return lsu_stage(ctx, name, "concat", grid, ops, out, [*lays, lo], scratch, body, n.source)
