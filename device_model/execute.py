@@ -23,7 +23,8 @@ per-core NumPy interpreter).
 The PE step of a matmul stage runs as one GEMM per group of cores that share an operand block
 (stacked along M when they share the rhs, along N when they share the lhs). Cores are an array
 axis; steps are unrolled when few and a ``lax.scan`` otherwise, so no Python loop runs over
-cores or tiles at run time. The semantics of every compute body are ``device_model.ops``.
+cores or tiles at run time. The semantics of every step (``device_model.steps``) are
+``device_model.ops``; the compute of each step kind is looked up in a table by the step's class.
 
 Blocks that reach past a tensor (ragged edge blocks, windows of slices and concatenations, see
 ``device_model.kernel``) are read from the tensor padded with the uninitialized value and
@@ -32,7 +33,7 @@ its device array is not cut into blocks up front (that would copy a whole weight
 padding, for the stage's lifetime): each step gathers its blocks straight from the array, edge
 blocks shifted into place and filled past the tensor (``blocks.Source``). Accumulating stages
 (a matmul's K loop; a map whose reduction is split across
-steps, its body carrying an ``ops.SplitReduce``) combine each step into the ``acc`` buffers and,
+steps, its step carrying a ``steps.SplitReduce``) combine each step into the ``acc`` buffers and,
 on the last step of a block, store the rounded accumulator. The stored bytes are what the card
 stores from its output buffer, but the simulation keeps no copy of them in that buffer: for a
 large output block (a vocabulary projection) the copy would double the stage's host memory. A
@@ -62,6 +63,7 @@ from .kernel import (
     resolve_aliases,
 )
 from .layout import np_dtype
+from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep
 
 __all__ = [
     "run_kernel",
@@ -288,7 +290,7 @@ def _matmul(
     rhs_op: Operand,
     slot: Any,
     k_valid: Any = None,
-    body: ops.MatmulBody | None = None,
+    body: MatmulStep | None = None,
     prologue: tuple[list[jax.Array], list[str], str, bool] | None = None,
 ) -> jax.Array:
     """The PE step of every core: fp32 products ``[cores, 1, tm, tn]`` of its lhs and rhs tiles.
@@ -372,31 +374,6 @@ def _out_tile(out: Operand, r: jax.Array) -> jax.Array:
     return ops.fit(jnp, r, want)
 
 
-def _write_out(bufs: _Buffers, out: Operand, oslot: Any, r: jax.Array) -> None:
-    """A result ``[C, *dims]`` into the output buffer's slot, fit to the output block."""
-    bufs.write(out.sp, oslot, _out_tile(out, r))
-
-
-def _split_of(stage: Stage) -> ops.SplitReduce | None:
-    params = stage.body[0][2]
-    if stage.kind == "map" and len(params) > 2:
-        return params[2]
-    return None
-
-
-def _mode(stage: Stage) -> str:
-    """How a stage's steps combine: "plain" (every step computes and stores its own block),
-    "acc" (a K loop or split reduction: accumulate; write and store on the last step of a
-    block) or "carry" (a split cumsum: every block is stored, a carry passes between them)."""
-    if stage.kind == "matmul":
-        return "acc"
-    split = _split_of(stage)
-    if split is None:
-        return "plain"
-    body = stage.body[0][2][0]
-    return "carry" if body.reduction.scan else "acc"
-
-
 class _StepCtx:
     """What the compute of one step reads: the stage, its buffers, the tensors, the card."""
 
@@ -410,97 +387,142 @@ class _StepCtx:
         n = self.nslots[name]
         return t % n if n > 1 else 0
 
-    def tiles(self, t: Any) -> list[jax.Array]:
-        return [self.bufs.read(op.sp, self.slot(op.sp, t)) for op in self.stage.inputs]
+    def tiles(self, t: Any, operands: Any = None) -> list[jax.Array]:
+        ops_ = self.stage.inputs if operands is None else operands
+        return [self.bufs.read(op.sp, self.slot(op.sp, t)) for op in ops_]
 
-    def in_dtypes(self) -> list[str]:
-        return [self.decls[op.tensor].layout.dtype for op in self.stage.inputs]
+    def in_dtypes(self, operands: Any = None) -> list[str]:
+        ops_ = self.stage.inputs if operands is None else operands
+        return [self.decls[op.tensor].layout.dtype for op in ops_]
+
+    def write_out(self, t: Any, r: jax.Array) -> None:
+        """A result ``[C, *dims]`` into the output buffer's slot of step ``t``."""
+        out = self.stage.output
+        self.bufs.write(out.sp, self.slot(out.sp, t), _out_tile(out, r))
 
 
-def _compute(cx: _StepCtx, t: Any, store_idx: Any) -> None:
-    """The PEs/SFUs (and, for gathers, the indirect loads) of one "plain" step, scratchpad to
-    scratchpad: every core's output block into the output buffer."""
-    stage, bufs = cx.stage, cx.bufs
-    unit, kind, params = stage.body[0]
+# ---------------------------------------------------------------------------------------------
+# the compute of one step, per step kind. A "plain" step computes and writes its output block;
+# an "acc" step accumulates and its block's last step finishes (rounds) the result; a "carry"
+# step writes its block and passes a carry on.
+
+
+def _map_plain(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    step: MapStep = cx.stage.step
+    r = ops.run_map(jnp, step.body, cx.tiles(t), cx.in_dtypes(), step.space_block, cx.bufs.ncores)
+    cx.write_out(t, ops.narrow(jnp, r, step.body.out_dtype, cx.dl16))
+
+
+def _gather(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    """The indirect loads of one step: every core's rows of the table by its index tile."""
+    stage, bufs, step = cx.stage, cx.bufs, cx.stage.step
+    (idx,) = cx.tiles(t)
+    idx = idx.astype(jnp.int32)  # [C, tr]
+    table = cx.env[step.table]
+    td = stage.output.block[-1]
+    ncb = table.shape[-1] // td
+    t3 = table.reshape(table.shape[0], ncb, td)
+    sidx = jnp.asarray(store_idx)
+    col = jnp.where(sidx < 0, 0, sidx % ncb)
+    valid = (idx >= 0) & (idx < step.num_rows)
+    rows = t3[jnp.clip(idx, 0, step.num_rows - 1), col[:, None]]  # [C, tr, td]
+    if step.mode == "fill":
+        fill = step.fill_value
+        if fill is None:
+            fill = jnp.nan if rows.dtype.kind == "f" else 0
+        rows = jnp.where(valid[..., None], rows, jnp.asarray(fill).astype(rows.dtype))
     out = stage.output
-    oslot = cx.slot(out.sp, t)
-    out_layout = cx.decls[out.tensor].layout
-    c = bufs.ncores
-    if stage.kind == "map":
-        body, space_block = params[0], params[1]
-        r = ops.run_map(jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, c)
-        _write_out(bufs, out, oslot, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
-    elif stage.kind == "gather":
-        body = params
-        slot = cx.slot(stage.inputs[0].sp, t)
-        idx = bufs.read(stage.inputs[0].sp, slot).astype(jnp.int32)  # [C, tr]
-        table = cx.env[body.table]
-        td = out.block[-1]
-        ncb = table.shape[-1] // td
-        t3 = table.reshape(table.shape[0], ncb, td)
-        sidx = jnp.asarray(store_idx)
-        col = jnp.where(sidx < 0, 0, sidx % ncb)
-        valid = (idx >= 0) & (idx < body.num_rows)
-        rows = t3[jnp.clip(idx, 0, body.num_rows - 1), col[:, None]]  # [C, tr, td]
-        if body.mode == "fill":
-            fill = getattr(body, "fill_value", None)
-            if fill is None:
-                fill = jnp.nan if rows.dtype.kind == "f" else 0
-            rows = jnp.where(valid[..., None], rows, jnp.asarray(fill).astype(rows.dtype))
-        bufs.write(out.sp, oslot, ops.fit(jnp, rows, out.block))
-    elif stage.kind == "reshape":
-        body = params
-        (x,) = cx.tiles(t)
-        x = x[..., : body.l_in].reshape(c, *out.block[:-1], body.l_out)
-        bufs.write(out.sp, oslot, ops.fit(jnp, x, out.block))
-    elif stage.kind == "concat":
-        body = params
-        tiles = cx.tiles(t)
-        k = None
-        if body.tile:
-            sidx = jnp.maximum(jnp.asarray(store_idx), 0)
-            inner = math.prod(body.out_grid[body.axis + 1 :])
-            k = (sidx // inner) % body.out_grid[body.axis]
-        x = ops.run_concat(jnp, body, tiles, k)
-        bufs.write(out.sp, oslot, ops.fit(jnp, x.astype(np_dtype(out_layout.dtype)), out.block))
-    else:  # pragma: no cover - the checker rejects unknown kinds
-        raise ValueError(f"unknown stage kind {stage.kind}")
+    bufs.write(out.sp, cx.slot(out.sp, t), ops.fit(jnp, rows, out.block))
 
 
-def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
-    """One step of an "acc" stage: this K block's products (a matmul) or this block's partial
-    reduction (a split map) combined into the accumulators."""
-    stage, bufs = cx.stage, cx.bufs
-    params = stage.body[0][2]
-    if stage.kind == "matmul":
-        body = params
-        lhs_op, rhs_op = stage.inputs[:2]
-        tk = body.tk(rhs_op.block)
-        k_valid = None
-        if body.k_logical % tk:
-            k_valid = body.k_logical - kpos * tk
-        pro = None
-        if body.prologue is not None:  # each core's tiles of the prologue's other inputs
-            ops_ = body.split_inputs(stage.inputs)[3]
-            pro = (
-                [bufs.read(op.sp, cx.slot(op.sp, t)) for op in ops_],
-                [cx.decls[op.tensor].layout.dtype for op in ops_],
-                cx.decls[lhs_op.tensor].layout.dtype,
-                cx.dl16,
-            )
-        prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid, body, pro)
-        if first is True:
-            acc = prod
-        else:
-            acc = bufs.read("acc", 0)
-            acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
-        bufs.write("acc", 0, acc)
-        return
-    body, space_block, split = params
+def _reshape(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    step, out = cx.stage.step, cx.stage.output
+    (x,) = cx.tiles(t)
+    x = x[..., : step.l_in].reshape(cx.bufs.ncores, *out.block[:-1], step.l_out)
+    cx.bufs.write(out.sp, cx.slot(out.sp, t), ops.fit(jnp, x, out.block))
+
+
+def _concat(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    step, out = cx.stage.step, cx.stage.output
+    k = None
+    if step.tile:
+        sidx = jnp.maximum(jnp.asarray(store_idx), 0)
+        inner = math.prod(step.out_grid[step.axis + 1 :])
+        k = (sidx // inner) % step.out_grid[step.axis]
+    x = ops.run_concat(jnp, step, cx.tiles(t), k)
+    dt = np_dtype(cx.decls[out.tensor].layout.dtype)
+    cx.bufs.write(out.sp, cx.slot(out.sp, t), ops.fit(jnp, x.astype(dt), out.block))
+
+
+def _matmul_acc(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
+    """One K block's products of every core, added into the accumulator."""
+    stage, bufs, step = cx.stage, cx.bufs, cx.stage.step
+    lhs_op, rhs_op, _, pro_ops = step.split_inputs(stage.inputs)
+    tk = step.tk(rhs_op.block)
+    k_valid = step.k_logical - kpos * tk if step.k_logical % tk else None
+    pro = None
+    if step.prologue is not None:  # each core's tiles of the prologue's other inputs
+        pro = (
+            cx.tiles(t, pro_ops),
+            cx.in_dtypes(pro_ops),
+            cx.decls[lhs_op.tensor].layout.dtype,
+            cx.dl16,
+        )
+    prod = _matmul(bufs, lhs_op, rhs_op, cx.slot(lhs_op.sp, t), k_valid, step, pro)
+    if first is True:
+        acc = prod
+    else:
+        acc = bufs.read("acc", 0)
+        acc = acc + prod if first is False else jnp.where(first, prod, acc + prod)
+    bufs.write("acc", 0, acc)
+
+
+def _matmul_finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
+    """The accumulator rounded, its masked N tail zeroed, through the epilogue."""
+    stage, bufs, step = cx.stage, cx.bufs, cx.stage.step
+    out = stage.output
+    r = ops.narrow(jnp, bufs.read("acc", 0), step.out_dtype, cx.dl16)
+    if step.n_logical:
+        ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
+        col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
+        r = matmul_ops.mask_n(jnp, r, col0, step.n_logical)
+    r = ops.fit(jnp, r, out.block)
+    if step.epilogue is not None:
+        extras = step.split_inputs(stage.inputs)[2]
+        r = matmul_ops.run_epilogue(
+            jnp,
+            step,
+            r,
+            cx.tiles(t, extras),
+            cx.in_dtypes(extras),
+            out.block,
+            step.epilogue.space,
+            cx.dl16,
+        )
+    return r
+
+
+def _map_part(cx: _StepCtx, t: Any, kpos: Any) -> jax.Array:
+    """This block's part of a split reduction (every core's)."""
+    step: MapStep = cx.stage.step
+    split = step.split
     coord = kpos if not split.reverse else split.nk - 1 - kpos
-    part = ops.run_map(
-        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split=split, coord=coord
+    return ops.run_map(
+        jnp,
+        step.body,
+        cx.tiles(t),
+        cx.in_dtypes(),
+        step.space_block,
+        cx.bufs.ncores,
+        split=split,
+        coord=coord,
     )
+
+
+def _map_acc(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
+    """This block's partial reduction combined into the accumulators."""
+    bufs, body = cx.bufs, cx.stage.step.body
+    part = _map_part(cx, t, kpos)
     if body.reduction.index_of:
         acc = None if first is True else (bufs.read("acc", 0), bufs.read("acci", 0))
         v, i = ops.combine_partial(jnp, body.reduce, acc, part, first)
@@ -511,54 +533,28 @@ def _accumulate(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
         bufs.write("acc", 0, ops.combine_partial(jnp, body.reduce, acc, part, first))
 
 
-def _finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
-    """The last step (``t``) of an "acc" stage's block: the accumulator, rounded (and through
-    a matmul's epilogue), as every core's output block (``stores``: each core's output block,
-    for a matmul's masked N tail). It goes from the rounding straight to the store: the
-    simulation keeps no copy of it in an output buffer, which for a large output block would
-    double the stage's host memory."""
-    stage, bufs = cx.stage, cx.bufs
-    out = stage.output
-    params = stage.body[0][2]
-    if stage.kind == "matmul":
-        r = ops.narrow(jnp, bufs.read("acc", 0), params.out_dtype, cx.dl16)
-        if params.n_logical:
-            ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
-            col0 = (jnp.maximum(jnp.asarray(stores), 0) % ncol) * out.block[-1]
-            r = matmul_ops.mask_n(jnp, r, col0, params.n_logical)
-        r = ops.fit(jnp, r, out.block)
-        if params.epilogue is not None:
-            extras = params.split_inputs(stage.inputs)[2]
-            tiles = [bufs.read(op.sp, cx.slot(op.sp, t)) for op in extras]
-            dts = [cx.decls[op.tensor].layout.dtype for op in extras]
-            space = params.epilogue.space
-            r = matmul_ops.run_epilogue(jnp, params, r, tiles, dts, out.block, space, cx.dl16)
-        return r
-    body = params[0]
-    if body.reduction.index_of:
-        r = bufs.read("acci", 0)
-    else:
-        r = bufs.read("acc", 0)
-    return _out_tile(out, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
+def _map_finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
+    body = cx.stage.step.body
+    r = cx.bufs.read("acci" if body.reduction.index_of else "acc", 0)
+    return _out_tile(cx.stage.output, ops.narrow(jnp, r, body.out_dtype, cx.dl16))
 
 
-def _carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
+def _map_carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     """One step of a split cumsum: the block's running sums plus the carry into the output."""
-    stage, bufs = cx.stage, cx.bufs
-    body, space_block, split = stage.body[0][2]
-    coord = kpos if not split.reverse else split.nk - 1 - kpos
-    local = ops.run_map(
-        jnp, body, cx.tiles(t), cx.in_dtypes(), space_block, bufs.ncores, split=split, coord=coord
-    )
+    bufs, body = cx.bufs, cx.stage.step.body
+    local = _map_part(cx, t, kpos)
     carry = None if first is True else bufs.read("acc", 0)
-    out, carry = ops.cumsum_carry(jnp, local, carry, first, split)
+    out, carry = ops.cumsum_carry(jnp, local, carry, first, cx.stage.step.split)
     bufs.write("acc", 0, carry)
-    _write_out(
-        bufs,
-        stage.output,
-        cx.slot(stage.output.sp, t),
-        ops.narrow(jnp, out, body.out_dtype, cx.dl16),
-    )
+    cx.write_out(t, ops.narrow(jnp, out, body.out_dtype, cx.dl16))
+
+
+#: per step kind, what a step of each mode runs: "plain" (ctx, t, stores), "acc" (accumulate
+#: (ctx, t, first, kpos), finish (ctx, t, stores) -> the output block), "carry" (ctx, t, first,
+#: kpos)
+_PLAIN = {MapStep: _map_plain, GatherStep: _gather, ReshapeStep: _reshape, ConcatStep: _concat}
+_ACC = {MatmulStep: (_matmul_acc, _matmul_finish), MapStep: (_map_acc, _map_finish)}
+_CARRY = {MapStep: _map_carry}
 
 
 def _kpos(first: np.ndarray) -> np.ndarray:
@@ -600,7 +596,8 @@ def run_stage(
         op.sp: _plan_input(tab["loads"][:, i], tab["ring"][:, i], ncores)
         for i, op in enumerate(stage.inputs)
     }
-    mode = _mode(stage)
+    mode = stage.step.combine
+    kind = type(stage.step)
     # an accumulating stage's output block goes from the accumulator straight to its store
     skip = frozenset({stage.output.sp}) if mode == "acc" else frozenset()
     bufs = _Buffers(stage, ncores, plans, skip)
@@ -629,20 +626,19 @@ def run_stage(
 
     def step(t: Any, stores: Any, first: Any, ob: jax.Array, last: Any, kpos: Any) -> jax.Array:
         if mode == "plain":
-            _compute(cx, t, stores)
+            _PLAIN[kind](cx, t, stores)
             return store(t, stores, ob)
         if mode == "carry":
-            _carry(cx, t, first, kpos)
+            _CARRY[kind](cx, t, first, kpos)
             return store(t, stores, ob)
-        _accumulate(cx, t, first, kpos)
+        accumulate, finish = _ACC[kind]
+        accumulate(cx, t, first, kpos)
         if last is True:
-            return _store(ob, _finish(cx, t, stores), stores)
+            return _store(ob, finish(cx, t, stores), stores)
         if last is False:
             return ob
         # an accumulation inside a scan: round and store on the last step only
-        return lax.cond(
-            last, lambda ob: _store(ob, _finish(cx, t, stores), stores), lambda o: o, ob
-        )
+        return lax.cond(last, lambda ob: _store(ob, finish(cx, t, stores), stores), lambda o: o, ob)
 
     all_ops = list(range(len(stage.inputs)))
     if T <= UNROLL_STEPS:

@@ -40,6 +40,15 @@ from typing import Any
 import numpy as np
 
 from .layout import DTYPES, TensorLayout
+from .steps import (
+    STEP_KINDS,
+    ConcatStep,
+    GatherStep,
+    MapStep,
+    MatmulStep,
+    ReshapeStep,
+    Step,
+)
 
 __all__ = [
     "TensorDecl",
@@ -49,6 +58,7 @@ __all__ = [
     "Kernel",
     "ScheduleError",
     "check_kernel",
+    "step_reads",
     "format_kernel",
     "blocks_of",
     "operand_grid",
@@ -162,30 +172,42 @@ def block_window(
     return tuple(src), tuple(dst)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stage:
-    """One tiled loop of a kernel. ``kind``: map, matmul, gather, reshape or concat.
+    """One tiled loop of a kernel, built with keywords.
 
-    ``body`` is the compute program every core runs on its scratchpad tiles, as
-    ``(unit, op, params)`` records; its meaning per kind is defined in ``device_model.ops``.
+    ``step`` is what every core's units do on their scratchpad tiles at each step (one of the
+    per-kind classes of :mod:`device_model.steps`); the stage's ``kind`` (map, matmul, gather,
+    reshape or concat) and ``unit`` follow from its class. ``loads``/``ring``/``stores``/
+    ``first``/``last`` are the step tables of the module docstring; ``reduce_axis`` the grid
+    axis run in sequence into one output block (-1: none).
     """
 
     name: str
-    kind: str
     grid: tuple[int, ...]
-    reduce_axis: int
     inputs: tuple[Operand, ...]
     output: Operand
     scratch: tuple[SpBuf, ...]
-    body: tuple[tuple[str, str, Any], ...]
+    step: Step
     loads: tuple[tuple[tuple[int, ...], ...], ...]
     ring: tuple[tuple[tuple[int, ...], ...], ...]
     stores: tuple[tuple[int, ...], ...]
     first: tuple[bool, ...]
     last: tuple[bool, ...]
+    reduce_axis: int = -1
     flops: int = 0
     sfu_elem_ops: int = 0
     source: str = ""
+
+    @property
+    def kind(self) -> str:
+        """map, matmul, gather, reshape or concat: the step's kind."""
+        return self.step.kind
+
+    @property
+    def unit(self) -> str:
+        """The unit that runs the step: PE, SFU or LSU (the load/store unit)."""
+        return self.step.unit
 
     @property
     def steps(self) -> int:
@@ -282,10 +304,10 @@ def check_kernel(k: Kernel) -> None:
             _check_stage(s, names, k.num_cores, k.sp_capacity, k.stick_bytes)
         except ScheduleError as e:
             raise ScheduleError(f"{where}: {e}\n{format_stage(s, names, max_steps=2)}") from None
-        for op in s.inputs:
-            base = alias_of.get(op.tensor, op.tensor)
-            if op.tensor not in written and base not in written:
-                raise ScheduleError(f"{where}: reads {op.tensor} before any stage writes it")
+        for name in (*(op.tensor for op in s.inputs), *step_reads(s.step)):
+            base = alias_of.get(name, name)
+            if name not in written and base not in written:
+                raise ScheduleError(f"{where}: reads {name} before any stage writes it")
         written.add(s.output.tensor)
         for _ in range(2):
             for view, base in k.aliases:
@@ -296,7 +318,80 @@ def check_kernel(k: Kernel) -> None:
             raise ScheduleError(f"kernel {k.name}: output {o} is never written")
 
 
+def step_reads(step: Step) -> tuple[str, ...]:
+    """The tensors a step reads from device memory besides its stage's operands (a gather's
+    table, whose rows it loads by index)."""
+    return (step.table,) if isinstance(step, GatherStep) else ()
+
+
+def _check_map(s: Stage, names: dict[str, TensorDecl]) -> None:
+    st = s.step
+    if len(st.body.views) != len(s.inputs):
+        raise ScheduleError(
+            f"map body reads {len(st.body.views)} inputs, the stage {len(s.inputs)}"
+        )
+    if len(st.space_block) != len(st.body.space):
+        raise ScheduleError(f"space block {list(st.space_block)} does not match {st.body.space}")
+    if (st.split is None) != (s.reduce_axis < 0):
+        raise ScheduleError("a map runs steps in sequence (reduce_axis) iff its reduction is split")
+    if st.split is not None:
+        if not st.body.reduce:
+            raise ScheduleError("a split reduction without a reduction")
+        if st.split.nk != s.grid[s.reduce_axis]:
+            raise ScheduleError(
+                f"split reduction in {st.split.nk} blocks over {s.grid[s.reduce_axis]} steps"
+            )
+
+
+def _check_matmul(s: Stage, names: dict[str, TensorDecl]) -> None:
+    st = s.step
+    ep = len(st.epilogue.views) - 1 if st.epilogue is not None else 0
+    want = 2 + ep + st.prologue_inputs
+    if len(s.inputs) != want:
+        raise ScheduleError(
+            f"a matmul with {ep} epilogue and {st.prologue_inputs} prologue inputs reads "
+            f"{want} operands, the stage {len(s.inputs)}"
+        )
+    if s.reduce_axis < 0:
+        raise ScheduleError("a matmul runs its K blocks in sequence: it needs a reduce_axis")
+
+
+def _check_gather(s: Stage, names: dict[str, TensorDecl]) -> None:
+    st = s.step
+    if len(s.inputs) != 1:
+        raise ScheduleError(f"a gather reads one index operand, not {len(s.inputs)}")
+    if st.table not in names:
+        raise ScheduleError(f"gather names unknown table {st.table}")
+    if names[st.table].layout.shape[:1] != (st.num_rows,):
+        raise ScheduleError(f"gather of {st.num_rows} rows from {names[st.table].layout.shape}")
+
+
+def _check_move(s: Stage, names: dict[str, TensorDecl]) -> None:
+    st = s.step
+    n = len(st.sizes) if isinstance(st, ConcatStep) else 1
+    if len(s.inputs) != n:
+        raise ScheduleError(f"a {s.kind} of {n} inputs has {len(s.inputs)} operands")
+
+
+#: the kernel checker's per-kind checks of a stage's step (beside the checks every stage gets)
+_STEP_CHECKS = {
+    MapStep: _check_map,
+    MatmulStep: _check_matmul,
+    GatherStep: _check_gather,
+    ReshapeStep: _check_move,
+    ConcatStep: _check_move,
+}
+
+
 def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int, stick: int) -> None:
+    check = _STEP_CHECKS.get(type(s.step))
+    if check is None:
+        raise ScheduleError(
+            f"step {type(s.step).__name__} is none of the stage kinds {sorted(STEP_KINDS)}"
+        )
+    if s.reduce_axis >= len(s.grid) or (s.reduce_axis < 0 and s.step.combine != "plain"):
+        raise ScheduleError(f"reduce_axis {s.reduce_axis} does not fit grid {list(s.grid)}")
+    check(s, names)
     bufs = sorted(s.scratch, key=lambda b: b.offset)
     for a, b in zip(bufs, bufs[1:], strict=False):
         if a.end > b.offset:
@@ -393,15 +488,9 @@ def _check_stage(s: Stage, names: dict[str, TensorDecl], ncores: int, cap: int, 
 # printer
 
 
-def _fmt_body(body: tuple[tuple[str, str, Any], ...]) -> list[str]:
-    out = []
-    for unit, op, params in body:
-        if op == "map" and len(params) > 2:  # a reduction split across steps
-            out.append(f"      {unit:<3} {op} {_short(params[:2])}")
-            out.append(f"          {params[2]}")
-            continue
-        out.append(f"      {unit:<3} {op} {_short(params)}")
-    return out
+def _fmt_step(s: Stage) -> list[str]:
+    head, *rest = str(s.step).split("\n")
+    return [f"      {s.unit:<3} {s.kind} {_short(head)}", *rest]
 
 
 def _short(p: Any, limit: int = 160) -> str:
@@ -429,7 +518,7 @@ def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> 
     op = s.output
     lines.append(f"    out {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}")
     lines.append("    body:")
-    lines.extend(_fmt_body(s.body))
+    lines.extend(_fmt_step(s))
     ncores = len(s.stores[0]) if s.stores else 0
     for t in range(min(s.steps, max_steps)):
         lines.append(

@@ -1,8 +1,9 @@
 """The PE side of the card's compute: a matmul step on scratchpad tiles, the masks of K and N
 blocks that reach past the tensor, a matmul's epilogue (an SFU map on the rounded product
 on its way to the store) and its prologue (an SFU map on each lhs tile on its way to the PE).
-The bodies they run are :mod:`device_model.ops`'s ``MatmulBody`` and ``MapBody``; ``xp`` is
-NumPy (the reference interpreter) or ``jax.numpy`` (the vectorized card).
+The steps they run are :mod:`device_model.steps`' ``MatmulStep`` (its epilogue and prologue
+are :mod:`device_model.ops`' ``MapBody``); ``xp`` is NumPy (the reference interpreter) or
+``jax.numpy`` (the vectorized card).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from .ops import MatmulBody, fit, narrow, run_map
+from .ops import fit, narrow, run_map
+from .steps import MatmulStep
 
 __all__ = ["mask_k", "mask_n", "run_matmul_step", "run_epilogue", "run_prologue"]
 
@@ -82,7 +84,7 @@ def run_matmul_step(
 
 def run_epilogue(
     xp: Any,
-    body: MatmulBody,
+    body: MatmulStep,
     prod: Any,
     extras: list[Any],
     extra_dtypes: list[str],
@@ -107,7 +109,7 @@ def run_epilogue(
 
 def run_prologue(
     xp: Any,
-    body: MatmulBody,
+    body: MatmulStep,
     lhs: Any,
     extras: list[Any],
     extra_dtypes: list[str],

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 
 from . import xla_host  # noqa: F401  (first: the CPU client's dispatch)
 from .execute import COMPILER_OPTIONS, run_kernel, run_stage
-from .kernel import Kernel, Stage, TensorDecl
+from .kernel import Kernel, Stage, TensorDecl, step_reads
 from .layout import np_dtype
 from .progress import Progress
+from .steps import GatherStep
 
 __all__ = ["build_runner", "stage_program", "stage_cache_stats", "STAGED_MIN_STAGES"]
 
@@ -79,21 +80,19 @@ def _canonical(
     give identical stages.
     """
     reads = [op.tensor for op in stage.inputs]
-    unit, kind, prm = stage.body[0]
-    if stage.kind == "gather":
-        reads.append(prm.table)
+    reads.extend(step_reads(stage.step))
     names = list(dict.fromkeys([*reads, stage.output.tensor]))
     ren = {n: f"t{i}" for i, n in enumerate(names)}
-    body = stage.body
-    if stage.kind == "gather":
-        body = ((unit, kind, replace(prm, table=ren[prm.table])), *stage.body[1:])
+    step = stage.step
+    if isinstance(step, GatherStep):
+        step = replace(step, table=ren[step.table])
     canon = replace(
         stage,
         name="",
         source="",
         inputs=tuple(replace(op, tensor=ren[op.tensor]) for op in stage.inputs),
         output=replace(stage.output, tensor=ren[stage.output.tensor]),
-        body=body,
+        step=step,
     )
     # a tensor's role (input, view, temp, ...) is not part of it: the program reads and writes
     # arrays of the same layouts either way (the same layer's stages read a model input in the

@@ -22,7 +22,7 @@ fast, the opposite of the vectorized executor:
   ``t % slots``, step ``t``'s stores. An input buffer with a single slot in a stage of several
   steps is loaded after step ``t``'s compute instead.
 * Accumulating stages (a matmul's K loop, a map's reduction split across steps: its body
-  carries a :class:`~device_model.ops.SplitReduce`) keep their running result in the
+  carries a :class:`~device_model.steps.SplitReduce`) keep their running result in the
   scratchpad accumulators ``acc``/``acci`` from a ``first`` step to a ``last`` one.
 * Compute semantics come from :mod:`device_model.ops` with ``xp=numpy``, applied to one core's
   tile at a time (a leading core axis of size 1); with ``kernel.dl16`` the map and matmul results
@@ -52,6 +52,7 @@ from .kernel import (
     resolve_aliases,
 )
 from .layout import DTYPES, np_dtype
+from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep
 
 __all__ = ["run_kernel_reference", "reference_runner", "run_stage_reference", "Scratchpad"]
 
@@ -170,142 +171,165 @@ def _store(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, 
     dev[sl] = tile[tuple(slice(0, s.stop - s.start) for s in sl)]
 
 
-def _compute(
-    stage: Stage,
-    sp: Scratchpad,
-    t: int,
-    store_block: int,
-    mem: dict[str, np.ndarray],
-    decls: dict[str, TensorDecl],
-    dl16: bool = False,
-    kpos: int = 0,
-) -> None:
-    """One core's PEs/SFUs (and, for gathers, its indirect loads) at step ``t``.
+class _Core:
+    """What one core's compute at one step reads and writes: its scratchpad, the step's store
+    block, device memory (a gather's table), the tensors' declarations and DL16 rounding
+    (``Kernel.dl16``: float results stored as fp16/bf16 round through DL16 first)."""
 
-    ``dl16``: float results stored as fp16/bf16 round through DL16 first (``Kernel.dl16``).
-    ``kpos``: the step's position in the run of steps that accumulate one output block.
-    """
-    _, _, params = stage.body[0]
-    out = stage.output
-    oslot = t % stage.sp(out.sp).slots
+    def __init__(
+        self,
+        stage: Stage,
+        sp: Scratchpad,
+        t: int,
+        store_block: int,
+        mem: dict[str, np.ndarray],
+        decls: dict[str, TensorDecl],
+        dl16: bool,
+    ):
+        self.stage, self.sp, self.t, self.store_block = stage, sp, t, store_block
+        self.mem, self.decls, self.dl16 = mem, decls, dl16
+        self.out = stage.output
+        self.oslot = t % stage.sp(self.out.sp).slots
 
-    def tile(op: Operand) -> np.ndarray:
-        # the tile of one input with a leading core axis of size 1
-        return sp.read(op.sp, t % stage.sp(op.sp).slots)[None]
+    def tile(self, op: Operand) -> np.ndarray:
+        """The tile of one input with a leading core axis of size 1."""
+        return self.sp.read(op.sp, self.t % self.stage.sp(op.sp).slots)[None]
 
-    def write_result(r: np.ndarray) -> None:
-        want = out.block
+    def tiles(self, operands: Any = None) -> list[np.ndarray]:
+        return [self.tile(op) for op in (self.stage.inputs if operands is None else operands)]
+
+    def dtypes(self, operands: Any = None) -> list[str]:
+        ops_ = self.stage.inputs if operands is None else operands
+        return [self.decls[op.tensor].layout.dtype for op in ops_]
+
+    def write(self, r: np.ndarray) -> None:
+        """A result ``[1, *dims]`` into the output slot, fit to the output block."""
+        want = self.out.block
         if r.ndim - 1 < len(want):
             r = r.reshape((1, *([1] * (len(want) - r.ndim + 1)), *r.shape[1:]))
-        sp.write(out.sp, oslot, ops.fit(np, r, want)[0])
+        self.sp.write(self.out.sp, self.oslot, ops.fit(np, r, want)[0])
 
-    if stage.kind == "map" and len(params) > 2:
-        body, space_block, split = params
-        tiles = [tile(op) for op in stage.inputs]
-        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        coord = kpos if not split.reverse else split.nk - 1 - kpos
-        part = ops.run_map(np, body, tiles, dts, tuple(space_block), 1, split=split, coord=coord)
-        first, last = bool(stage.first[t]), bool(stage.last[t])
-        if body.reduction.scan:
-            carry = None if first else sp.read("acc", 0)[None]
-            res, carry = ops.cumsum_carry(np, part, carry, first, split)
-            sp.write("acc", 0, carry[0])
-            write_result(ops.narrow(np, res, body.out_dtype, dl16))
-            return
-        if body.reduction.index_of:
-            acc = None if first else (sp.read("acc", 0)[None], sp.read("acci", 0)[None])
-            v, i = ops.combine_partial(np, body.reduce, acc, part, first)
-            sp.write("acc", 0, v[0])
-            sp.write("acci", 0, i[0])
-            res = i
-        else:
-            acc = None if first else sp.read("acc", 0)[None]
-            res = ops.combine_partial(np, body.reduce, acc, part, first)
-            sp.write("acc", 0, res[0])
-        if last:
-            write_result(ops.narrow(np, res, body.out_dtype, dl16))
-    elif stage.kind == "map":
-        body, space_block = params[0], params[1]
-        tiles = [tile(op) for op in stage.inputs]
-        dts = [decls[op.tensor].layout.dtype for op in stage.inputs]
-        r = ops.run_map(np, body, tiles, dts, tuple(space_block), 1)
-        write_result(ops.narrow(np, r, body.out_dtype, dl16))
-    elif stage.kind == "matmul":
-        body = params
-        lhs, rhs = (tile(op) for op in stage.inputs[:2])  # [1, 1, tm, tkp], [1, 1, tk, tn]
-        _, _, extras, pro_ops = body.split_inputs(stage.inputs)
-        if body.prologue is not None:  # the lhs tile through the SFUs on its way to the PE
-            lhs = matmul_ops.run_prologue(
-                np,
-                body,
-                lhs,
-                [tile(op) for op in pro_ops],
-                [decls[op.tensor].layout.dtype for op in pro_ops],
-                decls[stage.inputs[0].tensor].layout.dtype,
-                dl16,
-            )
-        tk = body.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
-        k_valid = body.k_logical - kpos * tk if body.k_logical % tk else None
-        acc = sp.read("acc", 0)[None]
-        acc = matmul_ops.run_matmul_step(
-            np, acc, lhs, rhs, bool(stage.first[t]), k_valid, body.rhs_t, body.k_logical
-        )
-        sp.write("acc", 0, acc[0])
-        r = ops.narrow(np, acc, body.out_dtype, dl16)
-        if body.n_logical:
-            ncol = blocks_of(decls[out.tensor].layout.device_shape, out.block)[-1]
-            col0 = np.asarray([max(store_block, 0) % ncol * out.block[-1]])
-            r = matmul_ops.mask_n(np, r, col0, body.n_logical)
-        r = ops.fit(np, r, out.block)
-        if body.epilogue is not None:
-            if not stage.last[t]:
-                return  # the epilogue's operands arrive with the block's last K step
-            tiles = [tile(op) for op in extras]
-            dts = [decls[op.tensor].layout.dtype for op in extras]
-            r = matmul_ops.run_epilogue(
-                np, body, r, tiles, dts, out.block, body.epilogue.space, dl16
-            )
-        sp.write(out.sp, oslot, r[0])
-    elif stage.kind == "gather":
-        body = params
-        idx = tile(stage.inputs[0])[0].astype(np.int32)  # [trp]
-        table = mem[body.table]
-        td = out.block[-1]
-        ncb = table.shape[-1] // td
-        col = 0 if store_block < 0 else store_block % ncb
-        tr = out.block[0]
-        fill = getattr(body, "fill_value", None)
-        if fill is None:
-            fill = np.nan if table.dtype.kind == "f" else 0
-        rows = np.empty((len(idx), td), table.dtype)
-        for i, ix in enumerate(idx):
-            ix = int(ix)
-            valid = 0 <= ix < body.num_rows
-            row = min(max(ix, 0), body.num_rows - 1)
-            # the indirect load: one row segment straight from device memory
-            rows[i] = table[row, col * td : (col + 1) * td]
-            if body.mode == "fill" and not valid:
-                rows[i] = np.asarray(fill).astype(table.dtype)
-        rows = ops.fit(np, rows[None], (tr, td))
-        sp.write(out.sp, oslot, rows[0])
-    elif stage.kind == "reshape":
-        body = params
-        x = tile(stage.inputs[0])
-        x = x[..., : body.l_in].reshape(1, *out.block[:-1], body.l_out)
-        sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
-    elif stage.kind == "concat":
-        body = params
-        tiles = [tile(op) for op in stage.inputs]
-        k = None
-        if body.tile:
-            sb = max(store_block, 0)
-            inner = math.prod(body.out_grid[body.axis + 1 :])
-            k = np.asarray([(sb // inner) % body.out_grid[body.axis]])
-        x = ops.run_concat(np, body, tiles, k)
-        x = x.astype(np_dtype(decls[out.tensor].layout.dtype))
-        sp.write(out.sp, oslot, ops.fit(np, x, out.block)[0])
+
+def _map(cx: _Core, kpos: int) -> None:
+    step: MapStep = cx.stage.step
+    body, split = step.body, step.split
+    if split is None:
+        r = ops.run_map(np, body, cx.tiles(), cx.dtypes(), tuple(step.space_block), 1)
+        cx.write(ops.narrow(np, r, body.out_dtype, cx.dl16))
+        return
+    coord = kpos if not split.reverse else split.nk - 1 - kpos
+    part = ops.run_map(
+        np, body, cx.tiles(), cx.dtypes(), tuple(step.space_block), 1, split=split, coord=coord
+    )
+    sp = cx.sp
+    first, last = bool(cx.stage.first[cx.t]), bool(cx.stage.last[cx.t])
+    if body.reduction.scan:
+        carry = None if first else sp.read("acc", 0)[None]
+        res, carry = ops.cumsum_carry(np, part, carry, first, split)
+        sp.write("acc", 0, carry[0])
+        cx.write(ops.narrow(np, res, body.out_dtype, cx.dl16))
+        return
+    if body.reduction.index_of:
+        acc = None if first else (sp.read("acc", 0)[None], sp.read("acci", 0)[None])
+        v, i = ops.combine_partial(np, body.reduce, acc, part, first)
+        sp.write("acc", 0, v[0])
+        sp.write("acci", 0, i[0])
+        res = i
     else:
-        raise ValueError(f"stage {stage.name}: unknown stage kind {stage.kind}")
+        acc = None if first else sp.read("acc", 0)[None]
+        res = ops.combine_partial(np, body.reduce, acc, part, first)
+        sp.write("acc", 0, res[0])
+    if last:
+        cx.write(ops.narrow(np, res, body.out_dtype, cx.dl16))
+
+
+def _matmul(cx: _Core, kpos: int) -> None:
+    stage, step, out = cx.stage, cx.stage.step, cx.out
+    lhs_op, rhs_op, extras, pro_ops = step.split_inputs(stage.inputs)
+    lhs, rhs = cx.tile(lhs_op), cx.tile(rhs_op)  # [1, 1, tm, tkp], [1, 1, tk, tn]
+    if step.prologue is not None:  # the lhs tile through the SFUs on its way to the PE
+        lhs_dt = cx.decls[lhs_op.tensor].layout.dtype
+        lhs = matmul_ops.run_prologue(
+            np, step, lhs, cx.tiles(pro_ops), cx.dtypes(pro_ops), lhs_dt, cx.dl16
+        )
+    tk = step.tk(rhs.shape)  # rhs_t: the rhs tile is [1, 1, tn, tk]
+    k_valid = step.k_logical - kpos * tk if step.k_logical % tk else None
+    acc = cx.sp.read("acc", 0)[None]
+    acc = matmul_ops.run_matmul_step(
+        np, acc, lhs, rhs, bool(stage.first[cx.t]), k_valid, step.rhs_t, step.k_logical
+    )
+    cx.sp.write("acc", 0, acc[0])
+    r = ops.narrow(np, acc, step.out_dtype, cx.dl16)
+    if step.n_logical:
+        ncol = blocks_of(cx.decls[out.tensor].layout.device_shape, out.block)[-1]
+        col0 = np.asarray([max(cx.store_block, 0) % ncol * out.block[-1]])
+        r = matmul_ops.mask_n(np, r, col0, step.n_logical)
+    r = ops.fit(np, r, out.block)
+    if step.epilogue is not None:
+        if not stage.last[cx.t]:
+            return  # the epilogue's operands arrive with the block's last K step
+        r = matmul_ops.run_epilogue(
+            np,
+            step,
+            r,
+            cx.tiles(extras),
+            cx.dtypes(extras),
+            out.block,
+            step.epilogue.space,
+            cx.dl16,
+        )
+    cx.sp.write(out.sp, cx.oslot, r[0])
+
+
+def _gather(cx: _Core, kpos: int) -> None:
+    """The indirect loads: one row segment per index straight from device memory."""
+    step, out = cx.stage.step, cx.out
+    idx = cx.tile(cx.stage.inputs[0])[0].astype(np.int32)  # [trp]
+    table = cx.mem[step.table]
+    td = out.block[-1]
+    ncb = table.shape[-1] // td
+    col = 0 if cx.store_block < 0 else cx.store_block % ncb
+    fill = step.fill_value
+    if fill is None:
+        fill = np.nan if table.dtype.kind == "f" else 0
+    rows = np.empty((len(idx), td), table.dtype)
+    for i, ix in enumerate(idx):
+        ix = int(ix)
+        row = min(max(ix, 0), step.num_rows - 1)
+        rows[i] = table[row, col * td : (col + 1) * td]
+        if step.mode == "fill" and not 0 <= ix < step.num_rows:
+            rows[i] = np.asarray(fill).astype(table.dtype)
+    rows = ops.fit(np, rows[None], (out.block[0], td))
+    cx.sp.write(out.sp, cx.oslot, rows[0])
+
+
+def _reshape(cx: _Core, kpos: int) -> None:
+    step, out = cx.stage.step, cx.out
+    x = cx.tile(cx.stage.inputs[0])
+    x = x[..., : step.l_in].reshape(1, *out.block[:-1], step.l_out)
+    cx.sp.write(out.sp, cx.oslot, ops.fit(np, x, out.block)[0])
+
+
+def _concat(cx: _Core, kpos: int) -> None:
+    step, out = cx.stage.step, cx.out
+    k = None
+    if step.tile:
+        sb = max(cx.store_block, 0)
+        inner = math.prod(step.out_grid[step.axis + 1 :])
+        k = np.asarray([(sb // inner) % step.out_grid[step.axis]])
+    x = ops.run_concat(np, step, cx.tiles(), k)
+    x = x.astype(np_dtype(cx.decls[out.tensor].layout.dtype))
+    cx.sp.write(out.sp, cx.oslot, ops.fit(np, x, out.block)[0])
+
+
+#: one core's compute at one step, per step kind
+_COMPUTE: dict[type, Callable[[_Core, int], None]] = {
+    MapStep: _map,
+    MatmulStep: _matmul,
+    GatherStep: _gather,
+    ReshapeStep: _reshape,
+    ConcatStep: _concat,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,7 +343,14 @@ def run_stage_reference(
     ncores: int,
     dl16: bool = False,
 ) -> np.ndarray:
-    """Run one stage on ``ncores`` fresh scratchpads; returns the output tensor's device array."""
+    """Run one stage on ``ncores`` fresh scratchpads; returns the output tensor's device array.
+
+    Every core's compute at every step is its step kind's function in ``_COMPUTE``; ``dl16``:
+    float results stored as fp16/bf16 round through DL16 first (``Kernel.dl16``).
+    """
+    compute = _COMPUTE.get(type(stage.step))
+    if compute is None:
+        raise ValueError(f"stage {stage.name}: unknown step {type(stage.step).__name__}")
     out = stage.output
     out_layout = decls[out.tensor].layout
     for op in stage.inputs:
@@ -358,7 +389,7 @@ def run_stage_reference(
             load_step(t + 1, early)
         oslot = t % stage.sp(out.sp).slots
         for c in range(ncores):
-            _compute(stage, cores[c], t, stage.stores[t][c], mem, decls, dl16, kpos)
+            compute(_Core(stage, cores[c], t, stage.stores[t][c], mem, decls, dl16), kpos)
             blk = stage.stores[t][c]
             if blk >= 0:
                 _store(cores[c], out, mem, blk, oslot)

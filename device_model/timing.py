@@ -40,6 +40,7 @@ import numpy as np
 from .card import CardSpec
 from .kernel import Kernel, Stage
 from .layout import DTYPES
+from .steps import MapStep, MatmulStep
 
 __all__ = ["stage_cost", "kernel_cost"]
 
@@ -96,7 +97,7 @@ def _is_relayout(s: Stage) -> bool:
         return True
     if s.kind != "map" or len(s.inputs) != 1:
         return False
-    body = s.body[0][2][0]
+    body = s.step.body
     if body.reduce or any(op != "copy" for op, *_ in body.program):
         return False
     dims = body.views[0].dims
@@ -120,7 +121,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     loads = np.asarray(s.loads, np.int64).reshape(T, nin, ncores)
     ring = np.asarray(s.ring, np.int64).reshape(T, nin, ncores)
     stores = np.asarray(s.stores, np.int64).reshape(T, ncores)
-    unit, kind, params = s.body[0]
+    kind, step = s.kind, s.step
     L = ((loads >= 0) * in_bytes[None, :, None]).sum(axis=(1, 2)) if nin else np.zeros(T)
     nstore = (stores >= 0).sum(axis=1)
     S = nstore * float(out_bytes)
@@ -148,30 +149,30 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     active = set(np.flatnonzero(busy_in.any(axis=0)).tolist())
     c_step = 0.0
     ep_s = 0.0
-    if kind == "matmul":
+    if isinstance(step, MatmulStep):
         lhs, rhs = s.inputs[:2]
         tm, tkp = lhs.block[1], lhs.block[2]
-        tn = rhs.block[1] if params.rhs_t else rhs.block[2]
+        tn = rhs.block[1] if step.rhs_t else rhs.block[2]
         batched = s.grid[0] > 1  # [B, M, K] x [B, K, N] with B > 1: a batched matmul
         rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
         c_step = 2 * tm * tn * tkp / rate
         sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
         ep_ops = s.sfu_elem_ops
-        if params.prologue is not None:
+        if step.prologue is not None:
             # the prologue: the SFUs on the step's lhs tile before the PE (each core its own;
             # the stage's SFU count holds one pass over the lhs per N block)
-            pro = params.prologue
-            ep_ops -= params.prologue_sfu * s.grid[2]
+            pro = step.prologue
+            ep_ops -= step.prologue_sfu * s.grid[2]
             elems = math.prod(min(b, e) for b, e in zip(lhs.block, pro.space, strict=True))
-            c_step += params.prologue_sfu / max(1, math.prod(pro.space)) * elems / sfu_rate
-        if params.epilogue is not None:
+            c_step += step.prologue_sfu / max(1, math.prod(pro.space)) * elems / sfu_rate
+        if step.epilogue is not None:
             # the epilogue: the SFUs on each output block after its last K step
-            space = params.epilogue.space
+            space = step.epilogue.space
             elems = math.prod(min(b, e) for b, e in zip(s.output.block, space, strict=True))
-            per_core = ep_ops / max(1, math.prod(params.epilogue.space)) * elems
+            per_core = ep_ops / max(1, math.prod(step.epilogue.space)) * elems
             ep_s = per_core / sfu_rate
-    elif kind == "map":
-        body, space_block = params[0], params[1]
+    elif isinstance(step, MapStep):
+        body, space_block = step.body, step.space_block
         elems = math.prod(space_block)
         per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
         rate = card.sfu_elems_per_cycle * card.corelets_per_core
@@ -197,7 +198,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     # per step: which cores work (load, receive or store) -- for the trace's per-core tracks
     busy = busy_in | (stores >= 0)
     cores = [tuple(np.flatnonzero(row).tolist()) for row in busy]
-    unit = "PE" if kind == "matmul" else ("SFU" if kind == "map" else "load/store")
+    unit = "load/store" if s.unit == "LSU" else s.unit
     return {
         "stage": s.name,
         "kind": s.kind,

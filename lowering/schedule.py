@@ -41,14 +41,12 @@ from device_model.kernel import Kernel, Operand, Stage, TensorDecl
 from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.ops import (
     REDUCTIONS,
-    ConcatBody,
-    GatherBody,
     InputView,
     MapBody,
-    ReshapeBody,
     compute_dtype,
 )
 from device_model.progress import Progress
+from device_model.steps import ConcatStep, MapStep, ReshapeStep
 from device_model.timing import stage_cost
 
 from .errors import TilingError
@@ -63,6 +61,7 @@ from .tile_moves import (
     _gather_general,
     _matmul_general,
     _reshape_general,
+    gather_stage,
     lsu_stage,
     reshape_stage,
 )
@@ -286,15 +285,13 @@ def _map_plan(
     tabs = _tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
     sfu, flops = _map_work(body, ctx.card)
     return Stage(
-        name,
-        "map",
-        grid,
-        -1,
-        tuple(inputs),
-        output,
-        scratch,
-        (("SFU", "map", (body, space_block)),),
-        *tabs,
+        name=name,
+        grid=grid,
+        inputs=tuple(inputs),
+        output=output,
+        scratch=scratch,
+        step=MapStep(body=body, space_block=tuple(space_block)),
+        **tabs,
         flops=flops,
         sfu_elem_ops=sfu,
         source=source,
@@ -509,23 +506,7 @@ def _gather_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     iop = Operand(ctx.name(idx), (trp,), (0 if tr != N else -1,), "idx")
     out = Operand(ctx.name(n.out), (tr, td), (0, 1), "rows")
     slots = 2 if math.prod(grid) > ctx.ncores else 1
-    scratch = ctx.sp_plan(
-        [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
-    )
-    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    body = GatherBody(ctx.name(table), table.shape[0], n.params.mode, n.params.fill_value)
-    return Stage(
-        f"s{len(ctx.stages)}",
-        "gather",
-        grid,
-        -1,
-        (iop,),
-        out,
-        scratch,
-        (("LSU", "gather", body),),
-        *tabs,
-        source=n.source,
-    )
+    return gather_stage(ctx, n, grid, iop, out, (li, lo), slots)
 
 
 def _reshape_stage_whole(ctx: _Ctx, n: Node) -> Stage:
@@ -555,7 +536,7 @@ def _reshape_stage_whole(ctx: _Ctx, n: Node) -> Stage:
     iop = Operand(vin, (ri, li.device_shape[1]), (0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (0, -1), "out")
     slots = 2 if grid[0] > ctx.ncores else 1
-    body = ReshapeBody(l_in, l_out)
+    body = ReshapeStep(l_in=l_in, l_out=l_out)
     name = f"s{len(ctx.stages)}"
     return reshape_stage(ctx, name, grid, iop, out, (li, lo), x.dtype, slots, body, n.source)
 
@@ -600,9 +581,9 @@ def _concat_stage_whole(ctx: _Ctx, n: Node) -> Stage:
         ]
         + [("out", ob, lo.dtype, slots)]
     )
-    body = ConcatBody(ax, tuple(v.shape[ax] for v in n.inputs))
+    body = ConcatStep(axis=ax, sizes=tuple(v.shape[ax] for v in n.inputs))
     name, ops = f"s{len(ctx.stages)}", tuple(inputs)
-    return lsu_stage(ctx, name, "concat", grid, ops, out, [*lays, lo], scratch, body, n.source)
+    return lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)
 
 
 # ---------------------------------------------------------------------------------------------

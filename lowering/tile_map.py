@@ -21,9 +21,9 @@ from device_model.layout import TensorLayout, layout_for
 from device_model.ops import (
     InputView,
     MapBody,
-    SplitReduce,
     compute_dtype,
 )
+from device_model.steps import MapStep, SplitReduce
 
 from .errors import TilingError
 from .tiling import (
@@ -293,12 +293,12 @@ def _map_plan_general(
     local_body = MapBody(
         space, tuple(views), body.program, body.reduce, body.reduce_axes, body.out_dtype
     )
+    sp = None
     if split is not None:
         rev = red is not None and red.reverse
-        sp = SplitReduce(split, bl[split], space[split], grid[split], rev)
-        params: tuple = (local_body, sb, sp)
-    else:
-        params = (local_body, sb)
+        sp = SplitReduce(
+            axis=split, block=bl[split], extent=space[split], nk=grid[split], reverse=rev
+        )
     tabs = _tables(
         grid,
         [*inputs, output],
@@ -310,15 +310,14 @@ def _map_plan_general(
     )
     sfu, flops = _map_work(body, ctx.card)
     return Stage(
-        f"s{index}",
-        "map",
-        grid,
-        split if split is not None else -1,
-        tuple(inputs),
-        output,
-        scratch,
-        (("SFU", "map", params),),
-        *tabs,
+        name=f"s{index}",
+        grid=grid,
+        reduce_axis=split if split is not None else -1,
+        inputs=tuple(inputs),
+        output=output,
+        scratch=scratch,
+        step=MapStep(body=local_body, space_block=tuple(sb), split=sp),
+        **tabs,
         flops=flops,
         sfu_elem_ops=sfu,
         source=source,

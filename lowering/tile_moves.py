@@ -13,11 +13,7 @@ import numpy as np
 
 from device_model.kernel import Operand, Stage, TensorDecl
 from device_model.layout import TensorLayout, layout_for
-from device_model.ops import (
-    ConcatBody,
-    GatherBody,
-    ReshapeBody,
-)
+from device_model.steps import ConcatStep, GatherStep, ReshapeStep
 
 from .errors import TilingError
 from .graph import Node
@@ -38,21 +34,27 @@ from .tiling import (
 def lsu_stage(
     ctx: _Ctx,
     name: str,
-    kind: str,
     grid: tuple[int, ...],
     inputs: tuple[Operand, ...],
     out: Operand,
     lays: list[TensorLayout],
     scratch: Any,
-    body: Any,
+    step: ReshapeStep | ConcatStep,
     source: str,
 ) -> Stage:
-    """A data-movement stage (``kind`` reshape or concat: the LSU moves the inputs' blocks into
-    ``out``'s) over ``grid``, with its scratchpad plan and step tables (``lays``: the inputs'
-    layouts, then the output's)."""
+    """A data-movement stage (a reshape or concat ``step``: the LSU moves the inputs' blocks
+    into ``out``'s) over ``grid``, with its scratchpad plan and step tables (``lays``: the
+    inputs' layouts, then the output's)."""
     tabs = _tables(grid, [*inputs, out], lays, ctx.ncores)
     return Stage(
-        name, kind, grid, -1, inputs, out, scratch, (("LSU", kind, body),), *tabs, source=source
+        name=name,
+        grid=grid,
+        inputs=inputs,
+        output=out,
+        scratch=scratch,
+        step=step,
+        **tabs,
+        source=source,
     )
 
 
@@ -65,12 +67,46 @@ def reshape_stage(
     lays: tuple[TensorLayout, TensorLayout],
     dtype: str,
     slots: int,
-    body: ReshapeBody,
+    body: ReshapeStep,
     source: str,
 ) -> Stage:
     """A reshape stage (the LSU re-lays ``iop``'s blocks as ``out``'s), ``slots`` per buffer."""
     scratch = ctx.sp_plan([("in", iop.block, dtype, slots), ("out", out.block, dtype, slots)])
-    return lsu_stage(ctx, name, "reshape", grid, (iop,), out, list(lays), scratch, body, source)
+    return lsu_stage(ctx, name, grid, (iop,), out, list(lays), scratch, body, source)
+
+
+def gather_stage(
+    ctx: _Ctx,
+    n: Node,
+    grid: tuple[int, ...],
+    iop: Operand,
+    out: Operand,
+    lays: tuple[TensorLayout, TensorLayout],
+    slots: int,
+) -> Stage:
+    """The gather ``n`` as a stage over ``grid``: the LSU loads each core's ``iop`` block of
+    indices and fetches the table's rows into ``out``'s block (``lays``: the indices' and the
+    output's layouts), ``slots`` per buffer."""
+    table = n.inputs[0]
+    scratch = ctx.sp_plan(
+        [("idx", iop.block, "int32", slots), ("rows", out.block, lays[1].dtype, slots)]
+    )
+    step = GatherStep(
+        table=ctx.name(table),
+        num_rows=table.shape[0],
+        mode=n.params.mode,
+        fill_value=n.params.fill_value,
+    )
+    return Stage(
+        name=f"s{len(ctx.stages)}",
+        grid=grid,
+        inputs=(iop,),
+        output=out,
+        scratch=scratch,
+        step=step,
+        **_tables(grid, [iop, out], list(lays), ctx.ncores),
+        source=n.source,
+    )
 
 
 def _matmul_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
@@ -212,25 +248,7 @@ def _gather_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
     out = Operand(ctx.name(n.out), (tr, td), (0, 1), "rows")
     multi = -(-math.prod(grid) // ctx.ncores) > 1
     slots = 1 if single else (2 if multi else 1)
-    scratch = ctx.sp_plan(
-        [("idx", iop.block, "int32", slots), ("rows", out.block, lo.dtype, slots)]
-    )
-    tabs = _tables(grid, [iop, out], [li, lo], ctx.ncores)
-    body = GatherBody(ctx.name(table), table.shape[0], n.params.mode, n.params.fill_value)
-    return [
-        Stage(
-            f"s{len(ctx.stages)}",
-            "gather",
-            grid,
-            -1,
-            (iop,),
-            out,
-            scratch,
-            (("LSU", "gather", body),),
-            *tabs,
-            source=n.source,
-        )
-    ]
+    return [gather_stage(ctx, n, grid, iop, out, (li, lo), slots)]
 
 
 def _reshape_general(ctx: _Ctx, n: Node, first_err: TilingError) -> list[Stage]:
@@ -352,7 +370,7 @@ def _reshape_chunks(
     multi = -(-g0 * g1 // ctx.ncores) > 1
     slots = 1 if single else (2 if multi else 1)
     name = f"s{len(ctx.stages) + offset}"
-    body = ReshapeBody(le_in, le_out)
+    body = ReshapeStep(l_in=le_in, l_out=le_out)
     return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
 
 
@@ -396,7 +414,7 @@ def _reshape_groups(
     iop = Operand(vin, (ri, li.device_shape[1]), (d0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (d0, -1), "out")
     slots = 1 if single else (2 if -(-grid[0] // ctx.ncores) > 1 else 1)
-    body = ReshapeBody(l_in, l_out)
+    body = ReshapeStep(l_in=l_in, l_out=l_out)
     name = f"s{len(ctx.stages)}"
     return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
 
@@ -480,9 +498,16 @@ def _concat_general(ctx: _Ctx, n: Node, first_err: TilingError) -> Stage:
         + [("out", ob, lo.dtype, slots)]
     )
     if bl.get(ax) is None:
-        body = ConcatBody(ax, sizes)
+        body = ConcatStep(axis=ax, sizes=sizes)
     else:
-        body = ConcatBody(ax, sizes, bl[ax], offsets, tuple(w[3] for w in ins), grid)
+        body = ConcatStep(
+            axis=ax,
+            sizes=sizes,
+            tile=bl[ax],
+            offsets=offsets,
+            local=tuple(w[3] for w in ins),
+            out_grid=grid,
+        )
     name = f"s{len(ctx.stages)}"
     ops = tuple(inputs)
-    return lsu_stage(ctx, name, "concat", grid, ops, out, [*lays, lo], scratch, body, n.source)
+    return lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)

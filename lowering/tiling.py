@@ -20,8 +20,8 @@ from device_model.ops import (
     TRANSCENDENTAL,
     InputView,
     MapBody,
-    MatmulBody,
 )
+from device_model.steps import MatmulStep
 
 from .errors import TilingError
 from .graph import Node, Var, matmul_inputs
@@ -145,8 +145,9 @@ def _tables(
     reverse: bool = False,
     tile_order: tuple[int, ...] | None = None,
     last_only: frozenset[int] = frozenset(),
-) -> tuple:
-    """Build loads/ring/stores/first/last for ``operands`` (the last is the output).
+) -> dict[str, tuple]:
+    """Build loads/ring/stores/first/last for ``operands`` (the last is the output), as the
+    :class:`~device_model.kernel.Stage` keywords.
 
     Tiles (the grid without ``reduce_axis``) are dealt to the cores in order, tile ``p`` to core
     ``p % ncores`` at step group ``p // ncores``: tiles are numbered row-major over the grid's
@@ -213,13 +214,13 @@ def _tables(
     stores = ob if store_every else np.where(lastk[:, None], ob, -1)
     lt = loads.tolist()
     rt = ring.tolist()
-    return (
-        tuple(tuple(tuple(r) for r in step) for step in lt),
-        tuple(tuple(tuple(r) for r in step) for step in rt),
-        tuple(tuple(r) for r in stores.tolist()),
-        tuple(bool(x) for x in kk == 0),
-        tuple(bool(x) for x in lastk),
-    )
+    return {
+        "loads": tuple(tuple(tuple(r) for r in step) for step in lt),
+        "ring": tuple(tuple(tuple(r) for r in step) for step in rt),
+        "stores": tuple(tuple(r) for r in stores.tolist()),
+        "first": tuple(bool(x) for x in kk == 0),
+        "last": tuple(bool(x) for x in lastk),
+    }
 
 
 def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]], stick: int) -> tuple[SpBuf, ...]:
@@ -509,27 +510,26 @@ def matmul_stage(
         pro_sfu, pro_flops = _map_work(pro.body, ctx.card)
         sfu += pro_sfu * grid[2]
         flops += pro_flops
-    body = MatmulBody(
-        K,
-        n.params.dtype,
-        rhs_t,
-        n_mask,
-        ep.body,
-        ep.slot,
-        pro.body,
-        pro.slot,
-        pro_sfu,
+    step = MatmulStep(
+        k_logical=K,
+        out_dtype=n.params.dtype,
+        rhs_t=rhs_t,
+        n_logical=n_mask,
+        epilogue=ep.body,
+        acc_slot=ep.slot,
+        prologue=pro.body,
+        lhs_slot=pro.slot,
+        prologue_sfu=pro_sfu,
     )
     return Stage(
-        f"s{len(ctx.stages)}",
-        "matmul",
-        grid,
-        3,
-        (lhs, rhs, *ep.operands, *pro.operands),
-        out,
-        scratch,
-        (("PE", "matmul", body),),
-        *tabs,
+        name=f"s{len(ctx.stages)}",
+        grid=grid,
+        reduce_axis=3,
+        inputs=(lhs, rhs, *ep.operands, *pro.operands),
+        output=out,
+        scratch=scratch,
+        step=step,
+        **tabs,
         flops=2 * B * M * N * K + flops,
         sfu_elem_ops=sfu,
         source=n.source,

@@ -45,7 +45,7 @@ def _w(shape, dtype, seed, scale):
 
 
 def _epilogues(kernel) -> list:
-    return [s.body[0][2].epilogue for s in kernel.stages if s.kind == "matmul"]
+    return [s.step.epilogue for s in kernel.stages if s.kind == "matmul"]
 
 
 def _unfused(monkeypatch, f, *xs):
@@ -104,7 +104,7 @@ def test_batched_epilogue_and_fp32_product_converted_on_the_way_out():
     kern, _ = _check_reference(f, q, k, bias, k=128, chain=3)
     assert [s.kind for s in kern.stages] == ["matmul"]
     st = kern.stages[0]
-    assert st.grid[0] == 4 and st.body[0][2].out_dtype == "float32"
+    assert st.grid[0] == 4 and st.step.out_dtype == "float32"
     out = {t.name: t for t in kern.tensors}[st.output.tensor]
     assert out.layout.dtype == "float16"  # the fp32 product never reaches device memory
 

@@ -36,7 +36,7 @@ def _kernel(f, *xs):
 
 
 def _body(s: Stage) -> MapBody:
-    return s.body[0][2][0]
+    return s.step.body
 
 
 def _row_ops(s: Stage) -> list[tuple]:

@@ -29,7 +29,7 @@ SMALL = dict(scratchpad_bytes=16 * 1024, num_cores=4)
 
 
 def _nt_stages(kern: Any) -> list[Any]:
-    return [s for s in kern.stages if s.kind == "matmul" and s.body[0][2].rhs_t]
+    return [s for s in kern.stages if s.kind == "matmul" and s.step.rhs_t]
 
 
 def _run(f: Any, *xs: Any, k: int) -> Any:
@@ -90,7 +90,7 @@ def test_general_tiler_ragged_n_and_k(small_card, m, k, n, dt):
     x, w = _arr((m, k), dt, 9), _arr((n, k), dt, 10)
     kern = _run(lambda x, w: x @ w.T, x, w, k=k)
     (st,) = _nt_stages(kern)
-    body = st.body[0][2]
+    body = st.step
     assert body.n_logical == n and st.grid[3] > 1
     rhs = st.inputs[1]
     assert rhs.block[1] < n and n % rhs.block[1]
@@ -137,5 +137,5 @@ def test_torch_linear(shape, k, n, dt, bias):
     assert len(_nt_stages(ck.kernel)) == 1
     # no re-layout, and the bias add rides the matmul's store (its epilogue)
     assert kinds == ["matmul"], kinds
-    assert (ck.kernel.stages[0].body[0][2].epilogue is not None) == bias
+    assert (ck.kernel.stages[0].step.epilogue is not None) == bias
     assert_close(got, want)

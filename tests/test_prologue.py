@@ -67,9 +67,7 @@ def _w(shape, dtype, seed, scale):
 
 
 def _stages(kernel) -> list[tuple[str, bool]]:
-    return [
-        (s.kind, s.kind == "matmul" and s.body[0][2].prologue is not None) for s in kernel.stages
-    ]
+    return [(s.kind, s.kind == "matmul" and s.step.prologue is not None) for s in kernel.stages]
 
 
 def _before(f, stop: str, *xs) -> GraphIR:
@@ -348,7 +346,7 @@ def test_a_matmul_with_both_a_prologue_and_an_epilogue(monkeypatch):
     monkeypatch.setattr(pipeline, "fuse_prologue", _forced)
     kern, _ = _check_reference(f, x, g, wg, wu, k=256, chain=4)
     assert _stages(kern) == [("map", False), ("matmul", True), ("matmul", True)]
-    bodies = [s.body[0][2] for s in kern.stages[1:]]
+    bodies = [s.step for s in kern.stages[1:]]
     assert bodies[0].epilogue is None and bodies[1].epilogue is not None
 
 

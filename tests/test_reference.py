@@ -210,7 +210,7 @@ def _row_reduction_ops(k: Kernel) -> list[str]:
         op[0]
         for st in k.stages
         if st.kind == "map"
-        for op in st.body[0][2][0].program
+        for op in st.step.body.program
         if op[0] in ROW_REDUCTIONS
     ]
 
