@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from device_model.card import CardSpec
 from device_model.kernel import Operand, Stage, TensorDecl
 from device_model.layout import TensorLayout, layout_for
 from device_model.ops import (
@@ -26,27 +27,269 @@ from device_model.ops import (
 from device_model.steps import MapStep, SplitReduce
 
 from .errors import TilingError
+from .graph import Node
 from .tiling import (
-    _choose_general,
-    _Ctx,
-    _describe,
-    _map_work,
-    _NoFit,
-    _ragged_cands,
-    _tables,
-    _window,
+    NoFit,
+    Tier,
+    TilingContext,
+    choose_blocks,
+    choose_general_blocks,
+    describe,
+    first_fit,
+    map_work,
+    ragged_blocks,
+    step_tables,
+    stick_blocks,
+    window,
 )
 
+__all__ = ["plan_map", "plan_body", "map_fits"]
 
-def _map_general(
-    ctx: _Ctx,
+
+def map_fits(n: Node, card: CardSpec) -> bool:
+    """Whether :func:`schedule` can tile the map node ``n`` on ``card`` (a dry run of its
+    tiling choice: no tables are built). The fusion pass asks this of every map it merges."""
+    ctx = TilingContext(card)
+    for v in (*n.inputs, *n.outputs):
+        ctx.declare(v, "temp")
+    try:
+        plan_map(ctx, n, dry=True)
+    except TilingError:
+        return False
+    return True
+
+
+def plan_map(ctx: TilingContext, n: Node, dry: bool = False) -> list[Stage]:
+    """A map node's stages, from the first tier that fits: whole blocks
+    (:func:`_map_stage_whole`), then the general tiling (:func:`_map_general`: ragged edge
+    blocks, windows of slices, a reduction split across steps). ``dry`` (the fusion pass's
+    question) tries whole blocks only and builds nothing: a fusion is made only where the
+    fused map fits with whole rows."""
+    if dry:
+        return _map_stage_whole(ctx, n, dry=True)
+    ins = [ctx.name(v) for v in n.inputs], [ctx.layout(v) for v in n.inputs]
+    return _plan(ctx, n.params.body, *ins, ctx.name(n.out), ctx.layout(n.out), n.source, n)
+
+
+def plan_body(
+    ctx: TilingContext,
     body: MapBody,
     in_names: list[str],
     in_lays: list[TensorLayout],
     out_name: str,
     out_lay: TensorLayout,
     source: str,
-    first_err: TilingError,
+) -> list[Stage]:
+    """The stages of one map body over tensors already declared, from the first tier that
+    fits."""
+    return _plan(ctx, body, in_names, in_lays, out_name, out_lay, source, None)
+
+
+def _plan(
+    ctx: TilingContext,
+    body: MapBody,
+    in_names: list[str],
+    in_lays: list[TensorLayout],
+    out_name: str,
+    out_lay: TensorLayout,
+    source: str,
+    node: Node | None,
+) -> list[Stage]:
+    def build(tier: Tier) -> list[Stage]:
+        if tier is Tier.WHOLE and node is not None:
+            return _map_stage_whole(ctx, node)
+        if tier is Tier.WHOLE:
+            name = f"s{len(ctx.stages)}"
+            return [_map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, source)]
+        return _map_general(ctx, body, in_names, in_lays, out_name, out_lay, source, tier)
+
+    return first_fit(ctx, f"map ({describe(body)})", source, build)
+
+
+def _map_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> list[Stage]:
+    """A map node's stage; a reduction that does not fit goes through a one-per-stick temp.
+
+    The output's last dim is its stick dim, so tiles of the output's rows come in whole output
+    sticks (64 fp16), and a reduction over long rows then needs that many full input rows in
+    the scratchpad at once. When that does not fit, the reduction writes a temp with a trailing
+    size-1 dim instead (one element per stick, as the card's own stick-dim reductions do): its
+    rows are not the stick dim and tile one by one. A second, copy stage packs the temp
+    into the output's layout. With ``dry`` only the tiling is chosen (TilingError when none fits)
+    and no stage is returned.
+    """
+    body: MapBody = n.params.body
+    in_names = [ctx.name(v) for v in n.inputs]
+    in_lays = [ctx.layout(v) for v in n.inputs]
+    out_name, out_lay = ctx.name(n.out), ctx.layout(n.out)
+    name = f"s{len(ctx.stages)}"
+    try:
+        st = _map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source, dry)
+        return [st] if st is not None else []
+    except TilingError as err:
+        if not body.reduction or body.reduction.scan or not out_lay.shape:
+            raise
+        first_err = err
+    shape, dt = out_lay.shape, out_lay.dtype
+    tmp = f"{out_name}_s"
+    tmp_lay = layout_for((*shape, 1), dt, ctx.card.stick_bytes)
+    sparse = MapBody((*body.space, 1), body.views, body.program, body.reduce, body.reduce_axes, dt)
+    r = len(shape)
+    pack = MapBody(
+        shape,
+        (InputView((*range(r), -1), (0,) * (r + 1), (1,) * (r + 1), (False,) * (r + 1)),),
+        (("copy", (0,), None, dt),),
+        "",
+        (),
+        dt,
+    )
+    try:
+        s1 = _map_plan(ctx, sparse, in_names, in_lays, tmp, tmp_lay, name, n.source, dry)
+        s2 = _map_plan(
+            ctx,
+            pack,
+            [tmp],
+            [tmp_lay],
+            out_name,
+            out_lay,
+            f"s{len(ctx.stages) + 1}",
+            n.source,
+            dry,
+        )
+    except TilingError:
+        raise first_err from None
+    if s1 is None or s2 is None:
+        return []
+    ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
+    return [s1, s2]
+
+
+def _map_plan(
+    ctx: TilingContext,
+    body: MapBody,
+    in_names: list[str],
+    in_lays: list[TensorLayout],
+    out_name: str,
+    out_lay: TensorLayout,
+    name: str,
+    source: str,
+    dry: bool = False,
+) -> Stage | None:
+    """Tile one map body over the cores; raises :class:`TilingError` when no tiling fits.
+
+    Reduced axes (the final reduction's and the in-program ones) stay whole in every block.
+    With ``dry``, returns None once a tiling is chosen.
+    """
+    space = body.space
+    r = len(space)
+    out_dims = body.out_space_dims()
+    reduced = (
+        set(range(r)) - set(out_dims)
+        if not (body.reduction and body.reduction.scan)
+        else set(body.reduce_axes)
+    ) | body.program_reduce_axes()
+    # which tensors map onto each space dim, and with what device extent
+    ext: dict[int, set[int]] = {g: set() for g in range(r)}
+    quant: dict[int, int] = dict.fromkeys(range(r), 1)
+    tileable = {g: g not in reduced for g in range(r)}
+    for lay, view in zip(in_lays, body.views, strict=True):
+        for j, g in enumerate(view.dims):
+            if g < 0 or view.bcast[j]:
+                continue
+            if not view.is_plain(j) or lay.shape[j] != space[g]:
+                tileable[g] = False
+                continue
+            ext[g].add(lay.device_shape[j])
+            if j == len(lay.shape) - 1:
+                quant[g] = math.lcm(quant[g], lay.elems_per_stick)
+    for i, g in enumerate(out_dims):
+        ext[g].add(out_lay.device_shape[i] if out_lay.shape else out_lay.device_shape[0])
+        if i == len(out_dims) - 1:
+            quant[g] = math.lcm(quant[g], out_lay.elems_per_stick)
+    extents, cands = [], []
+    for g in range(r):
+        if tileable[g] and len(ext[g]) == 1:
+            e = next(iter(ext[g]))
+            extents.append(e)
+            cands.append(
+                stick_blocks(e, quant[g]) + ([e] if e not in stick_blocks(e, quant[g]) else [])
+            )
+        else:
+            tileable[g] = False
+            extents.append(1)
+            cands.append([1])
+
+    def blocks_for(bl: list[int]) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+        in_blocks = []
+        for lay, view in zip(in_lays, body.views, strict=True):
+            blk = []
+            for j, g in enumerate(view.dims):
+                tiled = g >= 0 and tileable[g] and view.is_plain(j)
+                blk.append(bl[g] if tiled else lay.device_shape[j])
+            in_blocks.append(tuple(blk) if lay.shape else lay.device_shape)
+        ob = tuple(
+            bl[g] if tileable[g] else out_lay.device_shape[i] for i, g in enumerate(out_dims)
+        )
+        return in_blocks, (ob if out_lay.shape else out_lay.device_shape)
+
+    def plan(bl: list[int], multi: bool) -> int:
+        ib, ob = blocks_for(bl)
+        items = [(b, lay.dtype) for b, lay in zip(ib, in_lays, strict=True)]
+        return ctx.plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
+
+    bl = choose_blocks(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({describe(body)})", source)
+    if dry:
+        return None
+    grid = tuple(extents[g] // bl[g] if tileable[g] else 1 for g in range(r))
+    ib, ob = blocks_for(bl)
+    # a block past the logical extent (the stick padding) computes only the logical part
+    space_block = tuple(min(bl[g], space[g]) if tileable[g] else space[g] for g in range(r))
+    inputs = []
+    for i, (nm, lay, view, blk) in enumerate(zip(in_names, in_lays, body.views, ib, strict=True)):
+        gd = (
+            tuple(
+                g if g >= 0 and tileable[g] and view.is_plain(j) else -1
+                for j, g in enumerate(view.dims)
+            )
+            if lay.shape
+            else (-1,)
+        )
+        inputs.append(Operand(nm, blk, gd, f"in{i}"))
+    ogd = tuple(g if tileable[g] else -1 for g in out_dims) if out_lay.shape else (-1,)
+    output = Operand(out_name, ob, ogd, "out")
+    ntiles = math.prod(grid)
+    slots = 2 if ntiles > ctx.ncores else 1
+    scratch = ctx.sp_plan(
+        [
+            (f"in{i}", op.block, lay.dtype, slots)
+            for i, (op, lay) in enumerate(zip(inputs, in_lays, strict=True))
+        ]
+        + [("out", ob, out_lay.dtype, slots)]
+    )
+    tabs = step_tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
+    sfu, flops = map_work(body, ctx.card)
+    return Stage(
+        name=name,
+        grid=grid,
+        inputs=tuple(inputs),
+        output=output,
+        scratch=scratch,
+        step=MapStep(body=body, space_block=tuple(space_block)),
+        **tabs,
+        flops=flops,
+        sfu_elem_ops=sfu,
+        source=source,
+    )
+
+
+def _map_general(
+    ctx: TilingContext,
+    body: MapBody,
+    in_names: list[str],
+    in_lays: list[TensorLayout],
+    out_name: str,
+    out_lay: TensorLayout,
+    source: str,
+    tier: Tier,
     offset: int = 0,
 ) -> list[Stage]:
     """The stages of a map with no tiling in whole blocks, in order of preference:
@@ -55,10 +298,10 @@ def _map_general(
     2. the same through a one-element-per-stick temp, then a pack (:func:`_map_via_temp`);
     3. and 4. the same two with the reduction split across steps along one reduced axis (the
        longest first; a carried accumulator; not an axis an in-program reduction reduces);
-    5. a reduction over several axes as one reduction per axis, through compute-type temps;
-    and all of it again single-buffered (one slot per buffer, no overlap) for maps without
-    in-program reductions. TilingError only when none fits. The stages are numbered from
-    ``offset`` past the ones already scheduled.
+    in the ``tier``'s buffering: double in :attr:`Tier.RAGGED`, single in :attr:`Tier.SINGLE`
+    (not for maps with in-program reductions), where, last, 5. a reduction over several axes
+    runs as one reduction per axis, through compute-type temps. NoFit when none fits. The
+    stages are numbered from ``offset`` past the ones already scheduled.
     """
     needs: list[int] = []
     prog = body.program_reduce_axes()
@@ -69,46 +312,41 @@ def _map_general(
     if reducing or cum:
         axes = [a for a in body.reduce_axes if a not in prog and body.space[a] > 1]
         splits += sorted(axes, key=lambda a: -body.space[a])
-    for single in (False, True):
-        if single and prog:
-            break
-        for split in splits:
-            try:
-                st = _map_plan_general(
-                    ctx,
-                    body,
-                    in_names,
-                    in_lays,
-                    out_name,
-                    out_lay,
-                    len(ctx.stages) + offset,
-                    source,
-                    split,
-                    single,
-                )
-                return [st]
-            except _NoFit as e:
-                needs.append(e.need)
-            if not out_lay.shape:
-                continue
-            try:
-                return _map_via_temp(
-                    ctx, body, in_names, in_lays, out_name, out_lay, source, split, single, offset
-                )
-            except _NoFit as e:
-                needs.append(e.need)
-    if reducing and not red.one_axis and len(body.reduce_axes) > 1:
-        if not prog:
-            return _map_decompose(ctx, body, in_names, in_lays, out_name, out_lay, source, offset)
-    raise TilingError(
-        f"spyre: map ({_describe(body)}) cannot be tiled into the usable scratchpad "
-        f"({ctx.cap} B per core): even the smallest tiling needs {min(needs, default=0)} B"
-        + (f"\n  at: {source}" if source else "")
-    ) from first_err
+    single = tier is Tier.SINGLE
+    if single and prog:
+        raise TilingError("a map with an in-program reduction is not single-buffered")
+    for split in splits:
+        try:
+            st = _map_plan_general(
+                ctx,
+                body,
+                in_names,
+                in_lays,
+                out_name,
+                out_lay,
+                len(ctx.stages) + offset,
+                source,
+                split,
+                single,
+            )
+            return [st]
+        except NoFit as e:
+            needs.append(e.need)
+        if not out_lay.shape:
+            continue
+        try:
+            return _map_via_temp(
+                ctx, body, in_names, in_lays, out_name, out_lay, source, split, single, offset
+            )
+        except NoFit as e:
+            needs.append(e.need)
+    if single and reducing and not red.one_axis and len(body.reduce_axes) > 1:
+        return _map_decompose(ctx, body, in_names, in_lays, out_name, out_lay, source, offset)
+    raise NoFit(min(needs, default=1 << 62))
 
 
 def _map_via_temp(
-    ctx: _Ctx,
+    ctx: TilingContext,
     body: MapBody,
     in_names: list[str],
     in_lays: list[TensorLayout],
@@ -145,7 +383,7 @@ def _map_via_temp(
 
 
 def _map_decompose(
-    ctx: _Ctx,
+    ctx: TilingContext,
     body: MapBody,
     in_names: list[str],
     in_lays: list[TensorLayout],
@@ -163,8 +401,7 @@ def _map_decompose(
     tmp_lay = layout_for(tshape, acc_dt, ctx.card.stick_bytes)
     ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
     first = MapBody(body.space, body.views, body.program, body.reduce, (last,), acc_dt)
-    err = TilingError(f"spyre: map ({_describe(body)}) does not fit in whole blocks")
-    stages = _map_general(ctx, first, in_names, in_lays, tmp, tmp_lay, source, err, offset)
+    stages = _general_tiers(ctx, first, in_names, in_lays, tmp, tmp_lay, source, offset)
     rest = tuple(a if a < last else a - 1 for a in body.reduce_axes if a != last)
     r = len(tshape)
     second = MapBody(
@@ -175,14 +412,36 @@ def _map_decompose(
         rest,
         body.out_dtype,
     )
-    more = _map_general(
-        ctx, second, [tmp], [tmp_lay], out_name, out_lay, source, err, offset + len(stages)
+    more = _general_tiers(
+        ctx, second, [tmp], [tmp_lay], out_name, out_lay, source, offset + len(stages)
     )
     return stages + more
 
 
+def _general_tiers(
+    ctx: TilingContext,
+    body: MapBody,
+    in_names: list[str],
+    in_lays: list[TensorLayout],
+    out_name: str,
+    out_lay: TensorLayout,
+    source: str,
+    offset: int,
+) -> list[Stage]:
+    """:func:`_map_general` double-buffered, else single-buffered (the part of a decomposed
+    reduction). NoFit when neither fits."""
+    try:
+        return _map_general(
+            ctx, body, in_names, in_lays, out_name, out_lay, source, Tier.RAGGED, offset
+        )
+    except NoFit:
+        return _map_general(
+            ctx, body, in_names, in_lays, out_name, out_lay, source, Tier.SINGLE, offset
+        )
+
+
 def _map_plan_general(
-    ctx: _Ctx,
+    ctx: TilingContext,
     body: MapBody,
     in_names: list[str],
     in_lays: list[TensorLayout],
@@ -195,7 +454,7 @@ def _map_plan_general(
 ) -> Stage:
     """One map stage in ragged blocks and windows (see the section comment); ``split``: the
     reduced space axis cut across steps (None: reduced axes whole); ``single``: one slot per
-    buffer. Raises :class:`_NoFit` when no block sizes fit."""
+    buffer. Raises :class:`NoFit` when no block sizes fit."""
     space = body.space
     r = len(space)
     out_dims = body.out_space_dims()
@@ -221,17 +480,17 @@ def _map_plan_general(
     if out_lay.shape and out_dims:
         quant[out_dims[-1]] = math.lcm(quant[out_dims[-1]], out_lay.elems_per_stick)
     if split is not None and not tileable[split]:
-        raise _NoFit(1 << 62)
-    cands = {g: _ragged_cands(space[g], quant[g]) if tileable[g] else [] for g in range(r)}
+        raise NoFit(1 << 62)
+    cands = {g: ragged_blocks(space[g], quant[g]) if tileable[g] else [] for g in range(r)}
     if split is not None and not cands[split]:
-        raise _NoFit(1 << 62)
+        raise NoFit(1 << 62)
     par = [g for g in range(r) if tileable[g] and g != split and cands[g]]
     seq = [split] if split is not None else []
     acc_dt = compute_dtype(body.program[-1][3]) if body.program else out_lay.dtype
 
     def layout_of(bl: dict[int, int | None]) -> tuple:
         sb = tuple(space[g] if bl.get(g) is None else bl[g] for g in range(r))
-        ins = [_window(lay, view, space, bl) for lay, view in zip(in_lays, body.views, strict=True)]
+        ins = [window(lay, view, space, bl) for lay, view in zip(in_lays, body.views, strict=True)]
         if out_lay.shape:
             ob = tuple(
                 out_lay.device_shape[i] if bl.get(g) is None else bl[g]
@@ -260,7 +519,7 @@ def _map_plan_general(
             [(b, d) for _, b, d in accs], 1
         )
 
-    bl = _choose_general(dict(enumerate(space)), cands, par, seq, plan, ctx.cap, ctx.ncores)
+    bl = choose_general_blocks(dict(enumerate(space)), cands, par, seq, plan, ctx.cap, ctx.ncores)
     sb, ins, ob, ogd, accs = layout_of(bl)
     grid = tuple(1 if bl.get(g) is None else -(-space[g] // bl[g]) for g in range(r))
     par_tiles = math.prod(grid[g] for g in range(r) if g != split)
@@ -299,7 +558,7 @@ def _map_plan_general(
         sp = SplitReduce(
             axis=split, block=bl[split], extent=space[split], nk=grid[split], reverse=rev
         )
-    tabs = _tables(
+    tabs = step_tables(
         grid,
         [*inputs, output],
         [*in_lays, out_lay],
@@ -308,7 +567,7 @@ def _map_plan_general(
         store_every=cum,
         reverse=red is not None and red.reverse,
     )
-    sfu, flops = _map_work(body, ctx.card)
+    sfu, flops = map_work(body, ctx.card)
     return Stage(
         name=f"s{index}",
         grid=grid,

@@ -1,14 +1,22 @@
-"""What the tiler's stage builders share: the tiling context (the card's figures, the tensors
-declared so far), the choice of block sizes, the scratchpad plans and the work division tables
-(loads, ring forwards, stores per step and core). :mod:`lowering.schedule` builds the stages
-with them; :mod:`lowering.tile_map` and :mod:`lowering.tile_moves` hold the general tilings
-(ragged blocks, windows, split reductions) used when no tiling in whole blocks fits.
+"""What the tilers share: the tiling context (:class:`TilingContext`: the card's figures, the
+tensors declared so far), the tiers every tiler tries in order (:class:`Tier`,
+:func:`first_fit`), the choice of block sizes (:func:`choose_blocks` for whole blocks,
+:func:`choose_general_blocks` for ragged ones), the scratchpad plans and the work division
+tables (loads, ring forwards, stores per step and core: :func:`step_tables`).
+
+There is one tiler per op kind (:mod:`lowering.tile_map`, :mod:`lowering.tile_matmul`,
+:mod:`lowering.tile_gather`, :mod:`lowering.tile_reshape`, :mod:`lowering.tile_concat`), each
+with a ``plan_*(ctx, node) -> list[Stage]`` that :mod:`lowering.schedule` calls through its
+``PLANNERS`` table. This module's names are their public interface; no tiler imports another's
+private names.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,18 +29,18 @@ from device_model.ops import (
     InputView,
     MapBody,
 )
-from device_model.steps import MatmulStep
+from device_model.steps import ConcatStep, ReshapeStep
 
 from .errors import TilingError
-from .graph import Node, Var, matmul_inputs
+from .graph import Var
 
 
-def _align(n: int, a: int) -> int:
+def align(n: int, a: int) -> int:
     """``n`` rounded up to a multiple of ``a`` (the card's stick size)."""
     return -(-n // a) * a
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     out = set()
     for i in range(1, int(math.isqrt(n)) + 1):
         if n % i == 0:
@@ -41,12 +49,12 @@ def _divisors(n: int) -> list[int]:
     return sorted(out)
 
 
-def _cands(extent: int, quantum: int) -> list[int]:
+def stick_blocks(extent: int, quantum: int) -> list[int]:
     """Block sizes for a dim: divisors of ``extent`` that are multiples of ``quantum``."""
-    return [d for d in _divisors(extent) if d % quantum == 0] or [extent]
+    return [d for d in divisors(extent) if d % quantum == 0] or [extent]
 
 
-class _Ctx:
+class TilingContext:
     def __init__(self, card: CardSpec):
         self.card = card
         self.cap = card.scratchpad_usable_bytes
@@ -81,15 +89,19 @@ class _Ctx:
         self.decls[nm] = TensorDecl(nm, layout_for(v.shape, v.dtype, self.card.stick_bytes), role)
         return nm
 
-    def mark(self) -> int:
-        """A mark to :meth:`rollback` to: the views declared so far."""
-        return len(self.aliases)
+    def mark(self) -> tuple[int, int]:
+        """A mark to :meth:`rollback` to: the views and tensors declared so far."""
+        return len(self.aliases), len(self.decls)
 
-    def rollback(self, mark: int) -> None:
-        """Forget the views declared since ``mark`` (a tiling attempt that did not fit)."""
-        for view, _ in self.aliases[mark:]:
-            del self.decls[view]
-        del self.aliases[mark:]
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Forget the views and temps declared since ``mark`` (a tiling attempt that did not
+        fit)."""
+        na, nd = mark
+        for view, _ in self.aliases[na:]:
+            self.decls.pop(view, None)
+        del self.aliases[na:]
+        for nm in list(self.decls)[nd:]:
+            del self.decls[nm]
 
     def view(self, base: str, shape: tuple[int, ...], dtype: str) -> str:
         nm = f"{base}_v{len(self.aliases)}"
@@ -98,7 +110,7 @@ class _Ctx:
         return nm
 
 
-def _choose(
+def choose_blocks(
     extents: list[int],
     cands: list[list[int]],
     plan_bytes: Callable[[list[int], bool], int],
@@ -135,7 +147,7 @@ def _choose(
     return blocks
 
 
-def _tables(
+def step_tables(
     grid: tuple[int, ...],
     operands: list[Operand],
     layouts: list[TensorLayout],
@@ -227,7 +239,7 @@ def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]], stick: int) -> t
     """Lay the buffers out one after another, each slot a whole number of sticks."""
     out, off = [], 0
     for name, block, dtype, slots in bufs:
-        sb = _align(math.prod(block) * DTYPES[dtype], stick)
+        sb = align(math.prod(block) * DTYPES[dtype], stick)
         out.append(SpBuf(name, off, sb, slots, tuple(block), dtype))
         off += sb * slots
     return tuple(out)
@@ -235,7 +247,7 @@ def _sp_plan(bufs: list[tuple[str, tuple[int, ...], str, int]], stick: int) -> t
 
 def _plan_bytes(blocks: list[tuple[tuple[int, ...], str]], slots: int, stick: int) -> int:
     """Scratchpad bytes of buffers for ``blocks``, ``slots`` each, each slot whole sticks."""
-    return sum(_align(math.prod(b) * DTYPES[d], stick) * slots for b, d in blocks)
+    return sum(align(math.prod(b) * DTYPES[d], stick) * slots for b, d in blocks)
 
 
 #: map-program ops that move or retype data and do no arithmetic (no flops)
@@ -258,7 +270,7 @@ def _op_extents(body: MapBody) -> list[int]:
     return out
 
 
-def _map_work(body: MapBody, card: CardSpec) -> tuple[int, int]:
+def map_work(body: MapBody, card: CardSpec) -> tuple[int, int]:
     """(SFU element-ops, flops) of a map body over its whole space.
 
     SFU: one pass per element of each op (``sfu_ops_per_elem_transcendental`` for
@@ -283,25 +295,89 @@ def _map_work(body: MapBody, card: CardSpec) -> tuple[int, int]:
     return sfu, flops
 
 
-def _describe(body: MapBody) -> str:
+def describe(body: MapBody) -> str:
     ops = [p[0] for p in body.program if p[0] != "const"]
     return ",".join(ops[:6]) + (f" then {body.reduce}" if body.reduce else "")
 
 
 #: the tiler's guess at a step's fixed cost when it ranks matmul tilings (a tie-breaker that
 #: favours fewer steps; a heuristic of the tiler, not a figure of the card or the timing model)
-_STEP_OVERHEAD_S = 1e-7
+STEP_OVERHEAD_S = 1e-7
 
 
-class _NoFit(Exception):
+class NoFit(TilingError):
     """No tiling of this shape fits; ``need``: the bytes the smallest one needs."""
 
     def __init__(self, need: int):
-        super().__init__(need)
+        super().__init__(f"the smallest tiling needs {need} B")
         self.need = need
 
 
-def _ragged_cands(extent: int, quantum: int) -> list[int]:
+class Tier(enum.Enum):
+    """The kinds of tiling a tiler tries, in order (:func:`first_fit`)."""
+
+    #: blocks that divide every dim, in whole sticks; reduced rows whole in a block
+    WHOLE = "whole sticks"
+    #: any dim cut in blocks that need not divide it (the last one ragged), inputs read
+    #: through windows, a reduction or a matmul's K split across steps; double-buffered
+    RAGGED = "ragged blocks"
+    #: the same, single-buffered (one slot per buffer: a step's loads wait for the compute)
+    #: where double buffering does not fit
+    SINGLE = "single buffering"
+
+
+#: every tier, in the order a tiler tries them
+TIERS = tuple(Tier)
+
+
+def double_or_single(tier: Tier, choose: Callable[[bool], Any]) -> tuple[Any, bool]:
+    """``choose(single)``'s choice double-buffered, or, in the :attr:`Tier.SINGLE` tier when
+    that does not fit, single-buffered; and whether it is single. NoFit when neither fits."""
+    try:
+        return choose(False), False
+    except NoFit:
+        if tier is not Tier.SINGLE:
+            raise
+    return choose(True), True
+
+
+def slots_for(single: bool, multi: bool) -> int:
+    """Slots per buffer: two when a stage runs several steps (double buffering), one when it
+    runs one or is single-buffered."""
+    return 1 if single else (2 if multi else 1)
+
+
+def first_fit(
+    ctx: TilingContext,
+    what: str,
+    source: str,
+    build: Callable[[Tier], list[Stage]],
+    tiers: tuple[Tier, ...] = TIERS,
+) -> list[Stage]:
+    """The stages of the first tier whose tiling fits: ``build(tier)`` for each of ``tiers`` in
+    order. A tier that does not fit (TilingError) leaves the context as it found it (its views
+    and temps forgotten). When none fits, a TilingError naming ``what``, the usable
+    scratchpad, what the smallest tiling needs and the user's line ``source``."""
+    needs: list[int] = []
+    first: TilingError | None = None
+    for tier in tiers:
+        mark = ctx.mark()
+        try:
+            return build(tier)
+        except TilingError as err:
+            ctx.rollback(mark)
+            first = first or err
+            if isinstance(err, NoFit):
+                needs.append(err.need)
+    need = f": the smallest tiling needs {min(needs)} B" if needs else ""
+    tried = ", ".join(t.value for t in tiers)
+    raise TilingError(
+        f"spyre: {what} cannot be tiled into the usable scratchpad ({ctx.cap} B per core)"
+        f"{need} (tried {tried})" + (f"\n  at: {source}" if source else "")
+    ) from first
+
+
+def ragged_blocks(extent: int, quantum: int) -> list[int]:
     """Block sizes below ``extent`` for a dim cut in blocks of ``quantum`` that need not divide
     it: the extent in ``n`` balanced blocks (n = 2, 3, ...; sparser for large n) and the exact
     divisors, largest first. The whole dim is not among them (the caller's None)."""
@@ -313,12 +389,12 @@ def _ragged_cands(extent: int, quantum: int) -> list[int]:
     while n <= units:
         out.add(-(-units // n) * quantum)
         n = n + 1 if n < 48 else max(n + 1, int(n * 1.08))
-    for d in _divisors(units):
+    for d in divisors(units):
         out.add(d * quantum)
     return sorted((b for b in out if b < extent), reverse=True)
 
 
-def _choose_general(
+def choose_general_blocks(
     extents: dict[int, int],
     cands: dict[int, list[int]],
     par: list[int],
@@ -359,11 +435,11 @@ def _choose_general(
                 bl[g] = max(smaller)
                 break
         else:
-            raise _NoFit(need)
+            raise NoFit(need)
     return bl
 
 
-def _window(
+def window(
     lay: TensorLayout, view: InputView, space: tuple[int, ...], bl: dict[int, int | None]
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], InputView]:
     """How an input is read in blocks for the space blocks ``bl``: (block, grid_dims, origin,
@@ -381,12 +457,12 @@ def _window(
         o = (st // q) * q
         loc = st - o
         if g < 0 or bc:
-            b, grid_dim, step = _align(loc + 1, q), -1, None
+            b, grid_dim, step = align(loc + 1, q), -1, None
         elif bl.get(g) is None:
-            b, grid_dim, step = _align(loc + (space[g] - 1) * sd + 1, q), -1, None
+            b, grid_dim, step = align(loc + (space[g] - 1) * sd + 1, q), -1, None
         else:
             bg = bl[g]
-            b, grid_dim, step = _align(loc + (bg - 1) * sd + 1, q), g, bg * sd
+            b, grid_dim, step = align(loc + (bg - 1) * sd + 1, q), g, bg * sd
         blk.append(b)
         gd.append(grid_dim)
         org.append(o)
@@ -396,141 +472,28 @@ def _window(
     return tuple(blk), tuple(gd), tuple(org), tuple(stp), local
 
 
-class FusedMap:
-    """A map fused into a matmul stage, in blocks: its operands besides the matmul's own tile
-    (read in windows of their views), their layouts, and its body with each view made local to
-    its block. :func:`epilogue_blocks`: on the output blocks; :func:`prologue_blocks`: on the
-    lhs blocks."""
-
-    def __init__(
-        self,
-        ctx: _Ctx,
-        body: MapBody | None,
-        slot: int,
-        inputs: tuple[Var, ...],
-        bl: dict[int, int | None],
-        prefix: str,
-        grid_axes: tuple[int, ...],
-    ):
-        """``body`` reads the matmul's tile as its input ``slot`` and ``inputs`` as the others,
-        in blocks ``bl`` of its space dims; space dim g is the stage grid's axis
-        ``grid_axes[g]``."""
-        self.operands: list[Operand] = []
-        self.layouts: list[TensorLayout] = []
-        self.body: MapBody | None = None
-        self.slot = slot
-        if body is None:
-            return
-        views = list(body.views)
-        for i, v in enumerate(inputs):
-            j = i if i < slot else i + 1
-            lay = ctx.layout(v)
-            blk, gd, org, stp, local = _window(lay, body.views[j], body.space, bl)
-            gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
-            self.operands.append(Operand(ctx.name(v), blk, gd, f"{prefix}{i}", org, stp))
-            self.layouts.append(lay)
-            views[j] = local
-        self.body = MapBody(body.space, tuple(views), body.program, "", (), body.out_dtype)
-
-    def plan_items(self) -> list[tuple[tuple[int, ...], str]]:
-        """The scratchpad blocks of its operands (one buffer each)."""
-        return [(op.block, lay.dtype) for op, lay in zip(self.operands, self.layouts, strict=True)]
-
-
-def epilogue_blocks(ctx: _Ctx, n: Node, tm: int, tno: int) -> FusedMap:
-    """A matmul node's epilogue for output blocks ``[1, tm, tno]``: its operands are the node's
-    inputs past the rhs (a prologue's come after them)."""
-    ep = n.params.epilogue
-    extras = matmul_inputs(n)[2]
-    bl: dict[int, int | None] = {0: 1, 1: tm, 2: tno}
-    body, slot = (ep.body, ep.slot) if ep is not None else (None, 0)
-    return FusedMap(ctx, body, slot, extras, bl, "e", (0, 1, 2))
-
-
-def prologue_blocks(ctx: _Ctx, n: Node, tm: int, tk: int | None) -> FusedMap:
-    """A matmul node's prologue for lhs blocks ``[1, tm, tk]`` (``tk`` None: the whole K, one
-    block): its operands are the node's last inputs, a block of each loaded with the lhs's on
-    every step; the lhs's K is the grid's axis 3."""
-    pro = n.params.prologue
-    extras = matmul_inputs(n)[3]
-    bl: dict[int, int | None] = {0: 1, 1: tm, 2: tk}
-    body, slot = (pro.body, pro.slot) if pro is not None else (None, 0)
-    return FusedMap(ctx, body, slot, extras, bl, "p", (0, 1, 3))
-
-
-def matmul_stage(
-    ctx: _Ctx,
-    n: Node,
+def lsu_stage(
+    ctx: TilingContext,
+    name: str,
     grid: tuple[int, ...],
-    operands: tuple[Operand, Operand, Operand],
-    layouts: tuple[TensorLayout, TensorLayout, TensorLayout],
-    slots: int,
-    acc_block: tuple[int, ...],
-    tile_order: tuple[int, ...] | None = None,
+    inputs: tuple[Operand, ...],
+    out: Operand,
+    lays: list[TensorLayout],
+    scratch: Any,
+    step: ReshapeStep | ConcatStep,
+    source: str,
 ) -> Stage:
-    """The matmul stage over ``grid`` (axis 3 is K) for operand blocks already chosen: the
-    scratchpad plan (lhs, rhs, an fp32 accumulator of ``acc_block``, out, and an epilogue's
-    operands), the tables, the flops. Shared by the whole-block and the general tilers."""
-    lhs, rhs, out = operands
-    la, lb, lo = layouts
-    B, M, K = n.inputs[0].shape  # [B, M, K] x [B, K, N] (or [B, N, K]: rhs_t)
-    rhs_t = n.params.rhs_t
-    N = n.out.shape[2]
-    # an NT rhs in N blocks that do not divide N: the last block's rows past N load as NaN
-    n_mask = N if rhs_t and N % rhs.block[1] else 0
-    ep = epilogue_blocks(ctx, n, out.block[1], out.block[2])
-    pro = prologue_blocks(ctx, n, lhs.block[1], lhs.block[2] if lhs.grid_dims[2] >= 0 else None)
-    scratch = ctx.sp_plan(
-        [
-            ("lhs", lhs.block, la.dtype, slots),
-            ("rhs", rhs.block, lb.dtype, slots),
-            ("acc", acc_block, "float32", 1),
-            ("out", out.block, lo.dtype, slots),
-        ]
-        + [
-            (op.sp, op.block, lay.dtype, slots)
-            for op, lay in zip(ep.operands + pro.operands, ep.layouts + pro.layouts, strict=True)
-        ]
-    )
-    tabs = _tables(
-        grid,
-        [lhs, rhs, *ep.operands, *pro.operands, out],
-        [la, lb, *ep.layouts, *pro.layouts, lo],
-        ctx.ncores,
-        reduce_axis=3,
-        tile_order=tile_order,
-        last_only=frozenset(range(2, 2 + len(ep.operands))),
-    )
-    sfu = flops = pro_sfu = 0
-    if ep.body is not None:
-        sfu, flops = _map_work(ep.body, ctx.card)
-    if pro.body is not None:
-        # the SFUs run it once over the lhs per N block (each block's K loop loads the lhs);
-        # its flops count once, as the unfused map's did
-        pro_sfu, pro_flops = _map_work(pro.body, ctx.card)
-        sfu += pro_sfu * grid[2]
-        flops += pro_flops
-    step = MatmulStep(
-        k_logical=K,
-        out_dtype=n.params.dtype,
-        rhs_t=rhs_t,
-        n_logical=n_mask,
-        epilogue=ep.body,
-        acc_slot=ep.slot,
-        prologue=pro.body,
-        lhs_slot=pro.slot,
-        prologue_sfu=pro_sfu,
-    )
+    """A data-movement stage (a reshape or concat ``step``: the LSU moves the inputs' blocks
+    into ``out``'s) over ``grid``, with its scratchpad plan and step tables (``lays``: the
+    inputs' layouts, then the output's)."""
+    tabs = step_tables(grid, [*inputs, out], lays, ctx.ncores)
     return Stage(
-        name=f"s{len(ctx.stages)}",
+        name=name,
         grid=grid,
-        reduce_axis=3,
-        inputs=(lhs, rhs, *ep.operands, *pro.operands),
+        inputs=inputs,
         output=out,
         scratch=scratch,
         step=step,
         **tabs,
-        flops=2 * B * M * N * K + flops,
-        sfu_elem_ops=sfu,
-        source=n.source,
+        source=source,
     )

@@ -233,7 +233,7 @@ def test_relayout_and_batched_rates():
 def test_m_fastest_tiles_compute_the_product():
     # a matmul whose tiles are dealt M fastest (the cores of a step share one rhs block, read
     # once) computes the same product: within one fp16 ulp of XLA's (K blocks summed in order)
-    import lowering.schedule as sch
+    import lowering.tile_matmul as sch
 
     picked = []
     orig = sch._pick_matmul
@@ -268,7 +268,7 @@ def test_m_fastest_tiles_compute_the_product():
 def test_identical_matmuls_are_tiled_once(monkeypatch):
     # the tiling search of a matmul is done once per signature: a model's identical layers
     # reuse it, and get the same tiling (the same simulated time per layer)
-    import lowering.schedule as sch
+    import lowering.tile_matmul as sch
 
     calls = []
     orig = sch._pick_matmul

@@ -1,0 +1,46 @@
+"""The unfuse pass: a matmul whose fused epilogue or prologue leaves it no tiling in whole
+blocks (its operands' blocks beside the matmul's own need more scratchpad than the card has),
+or that multiplies over an empty K, goes back to the map and the matmul it was fused from.
+
+It asks the tiler (:func:`lowering.tile_matmul.fits_whole`) and takes the prologue out first,
+then the epilogue, until the matmul fits or has no fused part left; the tiler itself never
+changes the graph. The unfused matmul may then take the general tiling (K split across steps,
+ragged blocks); the results are the same bits (the fused stage computes what the two unfused
+ones do).
+"""
+
+from __future__ import annotations
+
+from device_model.card import CardSpec
+
+from .graph import Graph, Node
+from .matmul_passes import unfuse_epilogue
+from .prologue import unfuse_prologue
+from .tile_matmul import fits_whole
+
+__all__ = ["unfuse"]
+
+
+def _must_unfuse(n: Node, card: CardSpec) -> bool:
+    if n.op != "matmul" or (n.params.prologue is None and n.params.epilogue is None):
+        return False
+    return n.inputs[0].shape[2] == 0 or not fits_whole(n, card)
+
+
+def unfuse(g: Graph, card: CardSpec) -> Graph:
+    """``g`` with every fused matmul that does not fit ``card`` split (prologue first)."""
+    out: list[Node] = []
+    changed = False
+    for n in g.nodes:
+        todo = [n]
+        while todo:
+            m = todo.pop(0)
+            if not _must_unfuse(m, card):
+                out.append(m)
+                continue
+            changed = True
+            parts = unfuse_prologue(m) if m.params.prologue is not None else unfuse_epilogue(m)
+            todo[:0] = parts
+    if not changed:
+        return g
+    return Graph(g.name, g.inputs, tuple(out), g.outputs, g.consts)
