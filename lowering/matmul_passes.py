@@ -14,7 +14,7 @@ from device_model.ops import InputView, MapBody
 
 from .graph import Graph, Node, Var, matmul_inputs
 from .op_params import Fused, Map, Reshape
-from .passes import _splice, _use_counts, dce, fuse_maps, is_free_reshape
+from .passes import dce, fuse_maps, is_free_reshape, splice, use_counts
 
 __all__ = [
     "nt_matmul",
@@ -77,7 +77,7 @@ def swap_matmul(g: Graph) -> Graph:
     want and the transpose stage is gone (and a map reading the product can become its
     epilogue). Through the reshape that drops a leading batch of 1, when each value between is
     read only there."""
-    uses = _use_counts(g)
+    uses = use_counts(g)
     made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
     drop: set[int] = set()
     replace: dict[int, list[Node]] = {}
@@ -106,7 +106,7 @@ def swap_matmul(g: Graph) -> Graph:
             drop.add(id(mid))
         drop.add(id(src))
         replace[id(t)] = nodes
-    return _splice(g, drop, replace)
+    return splice(g, drop, replace)
 
 
 _NARROW = ("float16", "bfloat16")
@@ -118,7 +118,7 @@ def narrow_matmul(g: Graph) -> Graph:
     the narrow dtype itself: ``matmul[dtype=float16]``. Its accumulator stays fp32 and is rounded
     once on the way out, as the convert rounds it, so the results are the same. The fp32 tensor
     never reaches device memory (half the output traffic, and no separate convert stage)."""
-    uses = _use_counts(g)
+    uses = use_counts(g)
     made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
     replace: dict[int, list[Node]] = {}  # convert node id -> its replacement nodes
     drop: set[int] = set()
@@ -150,7 +150,7 @@ def narrow_matmul(g: Graph) -> Graph:
             drop.add(id(mid))
         drop.add(id(src))
         replace[id(c)] = nodes
-    return _splice(g, drop, replace)
+    return splice(g, drop, replace)
 
 
 def _reshape_root(v: Var, made: dict[int, Node], stick: int) -> Var:
@@ -231,7 +231,7 @@ def sink_reshapes(g: Graph, card: CardSpec) -> Graph:
                 replace[id(c)] = new
         if not replace:
             break
-        g = dce(_splice(g, set(), replace))
+        g = dce(splice(g, set(), replace))
     return g
 
 
@@ -266,7 +266,7 @@ def fuse_epilogue(g: Graph) -> Graph:
     other inputs (at most :data:`EPILOGUE_INPUTS`) become the matmul's inputs past the rhs. The
     results are the unfused ones: the product is rounded to the matmul's dtype first, as it was
     stored. The scheduler falls back to the two stages when the fused one does not fit."""
-    uses = _use_counts(g)
+    uses = use_counts(g)
     made = {o.id: n for n in g.nodes for o in n.outputs}
     drop: set[int] = set()
     replace: dict[int, list[Node]] = {}
@@ -309,12 +309,12 @@ def fuse_epilogue(g: Graph) -> Graph:
             drop.add(id(src))
             replace[id(c)] = nodes
             break
-    return _splice(g, drop, replace)
+    return splice(g, drop, replace)
 
 
 def unfuse_epilogue(n: Node) -> list[Node]:
-    """A matmul with an epilogue as the matmul and the map it came from (the scheduler's
-    fallback when the fused stage does not fit)."""
+    """A matmul with an epilogue as the matmul and the map it came from (the unfuse pass's
+    split when the fused stage does not fit)."""
     ep, slot = n.params.epilogue.body, n.params.epilogue.slot
     ps = dataclasses.replace(n.params, epilogue=None)
     a, b, ep_ins, pro_ins = matmul_inputs(n)  # a prologue's inputs stay with the matmul

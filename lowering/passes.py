@@ -210,7 +210,7 @@ def fold_empty(g: Graph) -> Graph:
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, tuple(consts))
 
 
-def _use_counts(g: Graph) -> dict[int, int]:
+def use_counts(g: Graph) -> dict[int, int]:
     """How many times each value is read (by a node, or as a graph output)."""
     uses: dict[int, int] = {}
     for n in g.nodes:
@@ -221,7 +221,7 @@ def _use_counts(g: Graph) -> dict[int, int]:
     return uses
 
 
-def _splice(g: Graph, drop: set[int], replace: dict[int, list[Node]]) -> Graph:
+def splice(g: Graph, drop: set[int], replace: dict[int, list[Node]]) -> Graph:
     """``g`` without the nodes in ``drop`` (by identity) and with each node in ``replace`` (by
     identity) replaced by its list, in place; ``g`` itself when nothing changes."""
     if not replace:

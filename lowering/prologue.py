@@ -37,7 +37,7 @@ from device_model.ops import ROW_REDUCTIONS, InputView, MapBody
 from .errors import TilingError
 from .graph import Graph, Node, Var, matmul_inputs
 from .op_params import Fused, Map, Reshape
-from .passes import _splice, dce, is_free_reshape
+from .passes import dce, is_free_reshape, splice
 
 __all__ = ["fuse_prologue", "unfuse_prologue", "split_norm"]
 
@@ -338,12 +338,12 @@ def fuse_prologue(
         drop.update(id(r) for r in reshapes)
     if not replace:
         return g
-    return dce(_splice(g, drop, replace))
+    return dce(splice(g, drop, replace))
 
 
 def unfuse_prologue(n: Node) -> list[Node]:
     """A matmul with a prologue as the prologue's map, which makes the lhs, and the matmul
-    (the scheduler's fallback when the fused stage does not fit)."""
+    (the unfuse pass's split when the fused stage does not fit)."""
     pro: MapBody = n.params.prologue.body
     a, b, ep_ins, pro_ins = matmul_inputs(n)
     ins = list(pro_ins)

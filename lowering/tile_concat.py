@@ -11,37 +11,19 @@ import numpy as np
 from device_model.kernel import Operand, Stage
 from device_model.steps import ConcatStep
 
+from . import tiling
 from .graph import Node
-from .tiling import (
-    Tier,
-    TilingContext,
-    align,
-    choose_blocks,
-    choose_general_blocks,
-    divisors,
-    double_or_single,
-    first_fit,
-    lsu_stage,
-    ragged_blocks,
-    slots_for,
-)
 
 __all__ = ["plan_concat"]
 
 
-def plan_concat(ctx: TilingContext, n: Node) -> list[Stage]:
+def plan_concat(ctx: tiling.TilingContext, n: Node) -> list[Stage]:
     """A concatenation's stage, from the first tier that fits (whole blocks holding the whole
     axis of every input, else tiled along the axis too: :func:`_concat_general`)."""
-
-    def build(tier: Tier) -> list[Stage]:
-        if tier is Tier.WHOLE:
-            return [_concat_stage_whole(ctx, n)]
-        return [_concat_general(ctx, n, tier)]
-
-    return first_fit(ctx, "concatenate", n.source, build)
+    return tiling.plan_node(ctx, n, "concatenate", _concat_stage_whole, _concat_general)
 
 
-def _concat_stage_whole(ctx: TilingContext, n: Node) -> Stage:
+def _concat_stage_whole(ctx: tiling.TilingContext, n: Node) -> Stage:
     ax = n.params.axis
     lays = [ctx.layout(v) for v in n.inputs]
     lo = ctx.layout(n.out)
@@ -49,7 +31,7 @@ def _concat_stage_whole(ctx: TilingContext, n: Node) -> Stage:
     # tile the leading dim when it is not the axis (and not the stick dim)
     tile0 = ax != 0 and r >= 2
     e0 = n.out.shape[0] if tile0 else 1
-    cands = divisors(e0) if tile0 else [1]
+    cands = tiling.divisors(e0) if tile0 else [1]
 
     def blocks(b0: int) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
         ib = [
@@ -64,7 +46,7 @@ def _concat_stage_whole(ctx: TilingContext, n: Node) -> Stage:
         items = [(b, lay.dtype) for b, lay in zip(ib, lays, strict=True)] + [(ob, lo.dtype)]
         return ctx.plan_bytes(items, 2 if multi else 1)
 
-    (b0,) = choose_blocks([e0], [cands], plan, ctx.cap, ctx.ncores, "concatenate", n.source)
+    (b0,) = tiling.choose_blocks([e0], [cands], plan, ctx.cap, ctx.ncores, "concatenate", n.source)
     ib, ob = blocks(b0)
     grid = (e0 // b0,)
     gd = tuple(0 if (d == 0 and tile0) else -1 for d in range(r))
@@ -83,10 +65,10 @@ def _concat_stage_whole(ctx: TilingContext, n: Node) -> Stage:
     )
     body = ConcatStep(axis=ax, sizes=tuple(v.shape[ax] for v in n.inputs))
     name, ops = f"s{len(ctx.stages)}", tuple(inputs)
-    return lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)
+    return tiling.lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)
 
 
-def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
+def _concat_general(ctx: tiling.TilingContext, n: Node, tier: tiling.Tier) -> Stage:
     """A concatenation tiled along every dim, the axis included: output block ``k`` along the
     axis reads from each input the window of its positions (a window starts a whole stick
     before when the input's offset is not stick-aligned) and takes each position from the
@@ -99,7 +81,7 @@ def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
     sizes = tuple(v.shape[ax] for v in n.inputs)
     offsets = tuple(int(x) for x in np.cumsum((0, *sizes[:-1])))
     quant = [lo.elems_per_stick if d == r - 1 else 1 for d in range(r)]
-    cands = {d: ragged_blocks(S[d], quant[d]) for d in range(r)}
+    cands = {d: tiling.ragged_blocks(S[d], quant[d]) for d in range(r)}
     par = [d for d in range(r) if cands[d]]
 
     def layout_of(bl: dict[int, int | None]) -> tuple:
@@ -113,7 +95,7 @@ def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
                     q, b = quant[d], bl[d]
                     o = ((-off) // q) * q
                     loc = -off - o
-                    blk.append(align(loc + b, q))
+                    blk.append(tiling.align(loc + b, q))
                     org.append(o)
                     stp.append(b)
                 else:
@@ -128,11 +110,13 @@ def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
         def plan(bl: dict[int, int | None], multi: bool) -> int:
             ob, ins = layout_of(bl)
             items = [(w[0], lay.dtype) for w, lay in zip(ins, lays, strict=True)]
-            return ctx.plan_bytes(items + [(ob, lo.dtype)], slots_for(single, multi))
+            return ctx.plan_bytes(items + [(ob, lo.dtype)], tiling.slots_for(single, multi))
 
-        return choose_general_blocks(dict(enumerate(S)), cands, par, [], plan, ctx.cap, ctx.ncores)
+        return tiling.choose_general_blocks(
+            dict(enumerate(S)), cands, par, [], plan, ctx.cap, ctx.ncores
+        )
 
-    bl, single = double_or_single(tier, choose)
+    bl, single = tiling.double_or_single(tier, choose)
     ob, ins = layout_of(bl)
     grid = tuple(1 if bl.get(d) is None else -(-S[d] // bl[d]) for d in range(r))
     gd = tuple(-1 if bl.get(d) is None else d for d in range(r))
@@ -145,7 +129,7 @@ def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
             )
         )
     out = Operand(ctx.name(n.out), ob, gd, "out")
-    slots = slots_for(single, -(-math.prod(grid) // ctx.ncores) > 1)
+    slots = tiling.slots_for(single, -(-math.prod(grid) // ctx.ncores) > 1)
     scratch = ctx.sp_plan(
         [
             (f"in{i}", op.block, lay.dtype, slots)
@@ -166,4 +150,4 @@ def _concat_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
         )
     name = f"s{len(ctx.stages)}"
     ops = tuple(inputs)
-    return lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)
+    return tiling.lsu_stage(ctx, name, grid, ops, out, [*lays, lo], scratch, body, n.source)

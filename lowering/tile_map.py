@@ -15,6 +15,7 @@ when even the smallest blocks do not fit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from device_model.card import CardSpec
 from device_model.kernel import Operand, Stage, TensorDecl
@@ -26,53 +27,45 @@ from device_model.ops import (
 )
 from device_model.steps import MapStep, SplitReduce
 
+from . import tiling
 from .errors import TilingError
 from .graph import Node
-from .tiling import (
-    NoFit,
-    Tier,
-    TilingContext,
-    choose_blocks,
-    choose_general_blocks,
-    describe,
-    first_fit,
-    map_work,
-    ragged_blocks,
-    step_tables,
-    stick_blocks,
-    window,
-)
 
 __all__ = ["plan_map", "plan_body", "map_fits"]
 
 
+class MapIO(NamedTuple):
+    """What a map body reads and writes: its inputs' names and layouts, its output's, and the
+    user's line (for errors)."""
+
+    in_names: list[str]
+    in_lays: list[TensorLayout]
+    out_name: str
+    out_lay: TensorLayout
+    source: str
+
+
+def _io_of(ctx: tiling.TilingContext, n: Node) -> MapIO:
+    ins = [ctx.name(v) for v in n.inputs], [ctx.layout(v) for v in n.inputs]
+    return MapIO(*ins, ctx.name(n.out), ctx.layout(n.out), n.source)
+
+
 def map_fits(n: Node, card: CardSpec) -> bool:
-    """Whether :func:`schedule` can tile the map node ``n`` on ``card`` (a dry run of its
-    tiling choice: no tables are built). The fusion pass asks this of every map it merges."""
-    ctx = TilingContext(card)
-    for v in (*n.inputs, *n.outputs):
-        ctx.declare(v, "temp")
-    try:
-        plan_map(ctx, n, dry=True)
-    except TilingError:
-        return False
-    return True
+    """Whether the map node ``n`` has a tiling in whole blocks on ``card`` (a dry run of its
+    choice of blocks: no tables are built). The fusion pass asks this of every map it merges: a
+    fusion is made only where the fused map fits with whole rows."""
+    return tiling.fits(card, n, lambda ctx, n: _map_stage_whole(ctx, n, dry=True))
 
 
-def plan_map(ctx: TilingContext, n: Node, dry: bool = False) -> list[Stage]:
+def plan_map(ctx: tiling.TilingContext, n: Node) -> list[Stage]:
     """A map node's stages, from the first tier that fits: whole blocks
     (:func:`_map_stage_whole`), then the general tiling (:func:`_map_general`: ragged edge
-    blocks, windows of slices, a reduction split across steps). ``dry`` (the fusion pass's
-    question) tries whole blocks only and builds nothing: a fusion is made only where the
-    fused map fits with whole rows."""
-    if dry:
-        return _map_stage_whole(ctx, n, dry=True)
-    ins = [ctx.name(v) for v in n.inputs], [ctx.layout(v) for v in n.inputs]
-    return _plan(ctx, n.params.body, *ins, ctx.name(n.out), ctx.layout(n.out), n.source, n)
+    blocks, windows of slices, a reduction split across steps)."""
+    return _plan(ctx, n.params.body, _io_of(ctx, n), n)
 
 
 def plan_body(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
     in_names: list[str],
     in_lays: list[TensorLayout],
@@ -82,31 +75,33 @@ def plan_body(
 ) -> list[Stage]:
     """The stages of one map body over tensors already declared, from the first tier that
     fits."""
-    return _plan(ctx, body, in_names, in_lays, out_name, out_lay, source, None)
+    return _plan(ctx, body, MapIO(in_names, in_lays, out_name, out_lay, source), None)
 
 
 def _plan(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
-    source: str,
+    io: MapIO,
     node: Node | None,
 ) -> list[Stage]:
-    def build(tier: Tier) -> list[Stage]:
-        if tier is Tier.WHOLE and node is not None:
+    source = io.source
+
+    def whole() -> list[Stage]:
+        if node is not None:
             return _map_stage_whole(ctx, node)
-        if tier is Tier.WHOLE:
-            name = f"s{len(ctx.stages)}"
-            return [_map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, source)]
-        return _map_general(ctx, body, in_names, in_lays, out_name, out_lay, source, tier)
+        name = f"s{len(ctx.stages)}"
+        return [_map_plan(ctx, body, io, name)]
 
-    return first_fit(ctx, f"map ({describe(body)})", source, build)
+    return tiling.first_fit(
+        ctx,
+        f"map ({tiling.describe(body)})",
+        source,
+        whole,
+        lambda tier: _map_general(ctx, body, io, tier),
+    )
 
 
-def _map_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> list[Stage]:
+def _map_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -> list[Stage]:
     """A map node's stage; a reduction that does not fit goes through a one-per-stick temp.
 
     The output's last dim is its stick dim, so tiles of the output's rows come in whole output
@@ -118,19 +113,37 @@ def _map_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> list[Sta
     and no stage is returned.
     """
     body: MapBody = n.params.body
-    in_names = [ctx.name(v) for v in n.inputs]
-    in_lays = [ctx.layout(v) for v in n.inputs]
-    out_name, out_lay = ctx.name(n.out), ctx.layout(n.out)
+    io = _io_of(ctx, n)
+    out_name, out_lay = io.out_name, io.out_lay
     name = f"s{len(ctx.stages)}"
     try:
-        st = _map_plan(ctx, body, in_names, in_lays, out_name, out_lay, name, n.source, dry)
+        st = _map_plan(ctx, body, io, name, dry)
         return [st] if st is not None else []
     except TilingError as err:
         if not body.reduction or body.reduction.scan or not out_lay.shape:
             raise
         first_err = err
-    shape, dt = out_lay.shape, out_lay.dtype
     tmp = f"{out_name}_s"
+    tmp_lay, sparse, pack = _one_per_stick(ctx, body, out_lay)
+    try:
+        s1 = _map_plan(ctx, sparse, io._replace(out_name=tmp, out_lay=tmp_lay), name, dry)
+        pack_io = MapIO([tmp], [tmp_lay], out_name, out_lay, n.source)
+        s2 = _map_plan(ctx, pack, pack_io, f"s{len(ctx.stages) + 1}", dry)
+    except TilingError:
+        raise first_err from None
+    if s1 is None or s2 is None:
+        return []
+    ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
+    return [s1, s2]
+
+
+def _one_per_stick(
+    ctx: tiling.TilingContext, body: MapBody, out_lay: TensorLayout
+) -> tuple[TensorLayout, MapBody, MapBody]:
+    """``body`` written one element per stick instead: the temp's layout (the output's shape
+    with a trailing size-1 dim), the map that writes it and the copy that packs it into the
+    output's layout."""
+    shape, dt = out_lay.shape, out_lay.dtype
     tmp_lay = layout_for((*shape, 1), dt, ctx.card.stick_bytes)
     sparse = MapBody((*body.space, 1), body.views, body.program, body.reduce, body.reduce_axes, dt)
     r = len(shape)
@@ -142,36 +155,14 @@ def _map_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> list[Sta
         (),
         dt,
     )
-    try:
-        s1 = _map_plan(ctx, sparse, in_names, in_lays, tmp, tmp_lay, name, n.source, dry)
-        s2 = _map_plan(
-            ctx,
-            pack,
-            [tmp],
-            [tmp_lay],
-            out_name,
-            out_lay,
-            f"s{len(ctx.stages) + 1}",
-            n.source,
-            dry,
-        )
-    except TilingError:
-        raise first_err from None
-    if s1 is None or s2 is None:
-        return []
-    ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
-    return [s1, s2]
+    return tmp_lay, sparse, pack
 
 
 def _map_plan(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
+    io: MapIO,
     name: str,
-    source: str,
     dry: bool = False,
 ) -> Stage | None:
     """Tile one map body over the cores; raises :class:`TilingError` when no tiling fits.
@@ -179,6 +170,7 @@ def _map_plan(
     Reduced axes (the final reduction's and the in-program ones) stay whole in every block.
     With ``dry``, returns None once a tiling is chosen.
     """
+    in_names, in_lays, out_name, out_lay, source = io
     space = body.space
     r = len(space)
     out_dims = body.out_space_dims()
@@ -211,7 +203,8 @@ def _map_plan(
             e = next(iter(ext[g]))
             extents.append(e)
             cands.append(
-                stick_blocks(e, quant[g]) + ([e] if e not in stick_blocks(e, quant[g]) else [])
+                tiling.stick_blocks(e, quant[g])
+                + ([e] if e not in tiling.stick_blocks(e, quant[g]) else [])
             )
         else:
             tileable[g] = False
@@ -236,7 +229,9 @@ def _map_plan(
         items = [(b, lay.dtype) for b, lay in zip(ib, in_lays, strict=True)]
         return ctx.plan_bytes(items + [(ob, out_lay.dtype)], 2 if multi else 1)
 
-    bl = choose_blocks(extents, cands, plan, ctx.cap, ctx.ncores, f"map ({describe(body)})", source)
+    bl = tiling.choose_blocks(
+        extents, cands, plan, ctx.cap, ctx.ncores, f"map ({tiling.describe(body)})", source
+    )
     if dry:
         return None
     grid = tuple(extents[g] // bl[g] if tileable[g] else 1 for g in range(r))
@@ -265,8 +260,8 @@ def _map_plan(
         ]
         + [("out", ob, out_lay.dtype, slots)]
     )
-    tabs = step_tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
-    sfu, flops = map_work(body, ctx.card)
+    tabs = tiling.step_tables(grid, [*inputs, output], [*in_lays, out_lay], ctx.ncores)
+    sfu, flops = tiling.map_work(body, ctx.card)
     return Stage(
         name=name,
         grid=grid,
@@ -282,14 +277,10 @@ def _map_plan(
 
 
 def _map_general(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
-    source: str,
-    tier: Tier,
+    io: MapIO,
+    tier: tiling.Tier,
     offset: int = 0,
 ) -> list[Stage]:
     """The stages of a map with no tiling in whole blocks, in order of preference:
@@ -303,6 +294,7 @@ def _map_general(
     runs as one reduction per axis, through compute-type temps. NoFit when none fits. The
     stages are numbered from ``offset`` past the ones already scheduled.
     """
+    out_lay = io.out_lay
     needs: list[int] = []
     prog = body.program_reduce_axes()
     red = body.reduction
@@ -312,47 +304,30 @@ def _map_general(
     if reducing or cum:
         axes = [a for a in body.reduce_axes if a not in prog and body.space[a] > 1]
         splits += sorted(axes, key=lambda a: -body.space[a])
-    single = tier is Tier.SINGLE
+    single = tier is tiling.Tier.SINGLE
     if single and prog:
         raise TilingError("a map with an in-program reduction is not single-buffered")
     for split in splits:
         try:
-            st = _map_plan_general(
-                ctx,
-                body,
-                in_names,
-                in_lays,
-                out_name,
-                out_lay,
-                len(ctx.stages) + offset,
-                source,
-                split,
-                single,
-            )
+            st = _map_plan_general(ctx, body, io, len(ctx.stages) + offset, split, single)
             return [st]
-        except NoFit as e:
+        except tiling.NoFit as e:
             needs.append(e.need)
         if not out_lay.shape:
             continue
         try:
-            return _map_via_temp(
-                ctx, body, in_names, in_lays, out_name, out_lay, source, split, single, offset
-            )
-        except NoFit as e:
+            return _map_via_temp(ctx, body, io, split, single, offset)
+        except tiling.NoFit as e:
             needs.append(e.need)
     if single and reducing and not red.one_axis and len(body.reduce_axes) > 1:
-        return _map_decompose(ctx, body, in_names, in_lays, out_name, out_lay, source, offset)
-    raise NoFit(min(needs, default=1 << 62))
+        return _map_decompose(ctx, body, io, offset)
+    raise tiling.NoFit(min(needs, default=1 << 62))
 
 
 def _map_via_temp(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
-    source: str,
+    io: MapIO,
     split: int | None,
     single: bool,
     offset: int = 0,
@@ -360,40 +335,28 @@ def _map_via_temp(
     """The map written one element per stick (a trailing size-1 dim), then packed: the rows
     of a reduction then tile one by one, and a transpose needs blocks of one layout's stick
     dim only in each stage (a stick of both layouts at once can need more than fits)."""
-    shape, dt = out_lay.shape, out_lay.dtype
+    out_name, out_lay, source = io.out_name, io.out_lay, io.source
     tmp = f"{out_name}_g{len(ctx.decls)}"
-    tmp_lay = layout_for((*shape, 1), dt, ctx.card.stick_bytes)
-    sparse = MapBody((*body.space, 1), body.views, body.program, body.reduce, body.reduce_axes, dt)
-    r = len(shape)
-    pack = MapBody(
-        shape,
-        (InputView((*range(r), -1), (0,) * (r + 1), (1,) * (r + 1), (False,) * (r + 1)),),
-        (("copy", (0,), None, dt),),
-        "",
-        (),
-        dt,
-    )
+    tmp_lay, sparse, pack = _one_per_stick(ctx, body, out_lay)
     i0 = len(ctx.stages) + offset
-    s1 = _map_plan_general(ctx, sparse, in_names, in_lays, tmp, tmp_lay, i0, source, split, single)
-    s2 = _map_plan_general(
-        ctx, pack, [tmp], [tmp_lay], out_name, out_lay, i0 + 1, source, None, single
+    s1 = _map_plan_general(
+        ctx, sparse, io._replace(out_name=tmp, out_lay=tmp_lay), i0, split, single
     )
+    pack_io = MapIO([tmp], [tmp_lay], out_name, out_lay, source)
+    s2 = _map_plan_general(ctx, pack, pack_io, i0 + 1, None, single)
     ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
     return [s1, s2]
 
 
 def _map_decompose(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
-    source: str,
+    io: MapIO,
     offset: int = 0,
 ) -> list[Stage]:
     """A reduction over several axes as a reduction over its last axis into a temp of the
     compute type (fp32 for floats), then the rest over the temp."""
+    out_name, out_lay, source = io.out_name, io.out_lay, io.source
     last = max(body.reduce_axes)
     acc_dt = compute_dtype(body.program[-1][3])
     tshape = tuple(e for g, e in enumerate(body.space) if g != last)
@@ -401,7 +364,7 @@ def _map_decompose(
     tmp_lay = layout_for(tshape, acc_dt, ctx.card.stick_bytes)
     ctx.decls[tmp] = TensorDecl(tmp, tmp_lay, "temp")
     first = MapBody(body.space, body.views, body.program, body.reduce, (last,), acc_dt)
-    stages = _general_tiers(ctx, first, in_names, in_lays, tmp, tmp_lay, source, offset)
+    stages = _general_tiers(ctx, first, io._replace(out_name=tmp, out_lay=tmp_lay), offset)
     rest = tuple(a if a < last else a - 1 for a in body.reduce_axes if a != last)
     r = len(tshape)
     second = MapBody(
@@ -412,49 +375,37 @@ def _map_decompose(
         rest,
         body.out_dtype,
     )
-    more = _general_tiers(
-        ctx, second, [tmp], [tmp_lay], out_name, out_lay, source, offset + len(stages)
-    )
+    second_io = MapIO([tmp], [tmp_lay], out_name, out_lay, source)
+    more = _general_tiers(ctx, second, second_io, offset + len(stages))
     return stages + more
 
 
 def _general_tiers(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
-    source: str,
+    io: MapIO,
     offset: int,
 ) -> list[Stage]:
     """:func:`_map_general` double-buffered, else single-buffered (the part of a decomposed
     reduction). NoFit when neither fits."""
     try:
-        return _map_general(
-            ctx, body, in_names, in_lays, out_name, out_lay, source, Tier.RAGGED, offset
-        )
-    except NoFit:
-        return _map_general(
-            ctx, body, in_names, in_lays, out_name, out_lay, source, Tier.SINGLE, offset
-        )
+        return _map_general(ctx, body, io, tiling.Tier.RAGGED, offset)
+    except tiling.NoFit:
+        return _map_general(ctx, body, io, tiling.Tier.SINGLE, offset)
 
 
 def _map_plan_general(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     body: MapBody,
-    in_names: list[str],
-    in_lays: list[TensorLayout],
-    out_name: str,
-    out_lay: TensorLayout,
+    io: MapIO,
     index: int,
-    source: str,
     split: int | None,
     single: bool,
 ) -> Stage:
     """One map stage in ragged blocks and windows (see the section comment); ``split``: the
     reduced space axis cut across steps (None: reduced axes whole); ``single``: one slot per
     buffer. Raises :class:`NoFit` when no block sizes fit."""
+    in_lays, out_lay = io.in_lays, io.out_lay
     space = body.space
     r = len(space)
     out_dims = body.out_space_dims()
@@ -480,17 +431,20 @@ def _map_plan_general(
     if out_lay.shape and out_dims:
         quant[out_dims[-1]] = math.lcm(quant[out_dims[-1]], out_lay.elems_per_stick)
     if split is not None and not tileable[split]:
-        raise NoFit(1 << 62)
-    cands = {g: ragged_blocks(space[g], quant[g]) if tileable[g] else [] for g in range(r)}
+        raise tiling.NoFit(1 << 62)
+    cands = {g: tiling.ragged_blocks(space[g], quant[g]) if tileable[g] else [] for g in range(r)}
     if split is not None and not cands[split]:
-        raise NoFit(1 << 62)
+        raise tiling.NoFit(1 << 62)
     par = [g for g in range(r) if tileable[g] and g != split and cands[g]]
     seq = [split] if split is not None else []
     acc_dt = compute_dtype(body.program[-1][3]) if body.program else out_lay.dtype
 
     def layout_of(bl: dict[int, int | None]) -> tuple:
         sb = tuple(space[g] if bl.get(g) is None else bl[g] for g in range(r))
-        ins = [window(lay, view, space, bl) for lay, view in zip(in_lays, body.views, strict=True)]
+        ins = [
+            tiling.window(lay, view, space, bl)
+            for lay, view in zip(in_lays, body.views, strict=True)
+        ]
         if out_lay.shape:
             ob = tuple(
                 out_lay.device_shape[i] if bl.get(g) is None else bl[g]
@@ -519,8 +473,28 @@ def _map_plan_general(
             [(b, d) for _, b, d in accs], 1
         )
 
-    bl = choose_general_blocks(dict(enumerate(space)), cands, par, seq, plan, ctx.cap, ctx.ncores)
-    sb, ins, ob, ogd, accs = layout_of(bl)
+    bl = tiling.choose_general_blocks(
+        dict(enumerate(space)), cands, par, seq, plan, ctx.cap, ctx.ncores
+    )
+    return _general_stage(ctx, body, io, f"s{index}", split, single, bl, layout_of(bl))
+
+
+def _general_stage(
+    ctx: tiling.TilingContext,
+    body: MapBody,
+    io: MapIO,
+    name: str,
+    split: int | None,
+    single: bool,
+    bl: dict[int, int | None],
+    parts: tuple,
+) -> Stage:
+    """The stage of :func:`_map_plan_general`'s blocks ``bl`` (``parts``: the space block, the
+    inputs' windows, the output block and grid dims, the accumulators)."""
+    in_names, in_lays, out_name, out_lay, source = io
+    space, r, red = body.space, len(body.space), body.reduction
+    cum = red is not None and red.scan
+    sb, ins, ob, ogd, accs = parts
     grid = tuple(1 if bl.get(g) is None else -(-space[g] // bl[g]) for g in range(r))
     par_tiles = math.prod(grid[g] for g in range(r) if g != split)
     steps = -(-par_tiles // ctx.ncores) * (grid[split] if split is not None else 1)
@@ -558,7 +532,7 @@ def _map_plan_general(
         sp = SplitReduce(
             axis=split, block=bl[split], extent=space[split], nk=grid[split], reverse=rev
         )
-    tabs = step_tables(
+    tabs = tiling.step_tables(
         grid,
         [*inputs, output],
         [*in_lays, out_lay],
@@ -567,9 +541,9 @@ def _map_plan_general(
         store_every=cum,
         reverse=red is not None and red.reverse,
     )
-    sfu, flops = map_work(body, ctx.card)
+    sfu, flops = tiling.map_work(body, ctx.card)
     return Stage(
-        name=f"s{index}",
+        name=name,
         grid=grid,
         reduce_axis=split if split is not None else -1,
         inputs=tuple(inputs),

@@ -26,22 +26,9 @@ from device_model.ops import (
 from device_model.steps import MatmulStep
 from device_model.timing import stage_cost
 
+from . import tiling
 from .errors import TilingError
 from .graph import Node, Var, matmul_inputs
-from .tiling import (
-    STEP_OVERHEAD_S,
-    TIERS,
-    NoFit,
-    Tier,
-    TilingContext,
-    divisors,
-    first_fit,
-    map_work,
-    ragged_blocks,
-    step_tables,
-    stick_blocks,
-    window,
-)
 
 __all__ = ["plan_matmul", "fits_whole", "matmul_stage", "epilogue_blocks", "prologue_blocks"]
 
@@ -60,7 +47,7 @@ MATMUL_TIE_S = 0.2e-6
 
 
 def _pick_matmul(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     cands: list[tuple[float, int, int, tuple[int, int], int, bool]],
     build: Any,
 ) -> tuple[Stage, tuple[int, int, int, int, bool]]:
@@ -80,8 +67,8 @@ def _pick_matmul(
     timed = []
     for _, steps, tm, (tn, tno), tk, m_inner in shortlist:
         st = build(tm, tn, tno, tk, m_inner)
-        tiling = (tm, tn, tno, tk, m_inner)
-        timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st, tiling))
+        choice = (tm, tn, tno, tk, m_inner)
+        timed.append((stage_cost(st, dtypes, ctx.card)["time_s"], steps, st, choice))
     fastest = min(c[0] for c in timed)
     # within a tie of the fastest, the fewest steps (a shorter simulation, about the same time)
     tie = max(fastest * MATMUL_TIE, MATMUL_TIE_S)
@@ -98,7 +85,7 @@ MATMUL_CHOICES = 4096
 _matmul_choices: dict[Any, tuple[int, int, int, int, bool]] = {}
 
 
-def _matmul_key(ctx: TilingContext, n: Node) -> Any:
+def _matmul_key(ctx: tiling.TilingContext, n: Node) -> Any:
     """What a matmul's tiling depends on, hashable; None when a parameter is not."""
     key = (
         tuple(ctx.layout(v) for v in n.inputs),
@@ -115,7 +102,39 @@ def _matmul_key(ctx: TilingContext, n: Node) -> Any:
     return key
 
 
-def _matmul_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> Stage | None:
+def _whole_blocks(ctx: tiling.TilingContext, n: Node) -> tuple[list, list, list, tuple[int, ...]]:
+    """A matmul's whole-block candidates: M rows dividing M, (rhs/accumulator N, output N)
+    pairs and K blocks in whole sticks, and the padded extents (rhs N, lhs K, rhs K, out N)."""
+    a, b = n.inputs[:2]
+    la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
+    _, M, K = a.shape
+    rhs_t = n.params.rhs_t
+    Kp, No = la.device_shape[2], lo.device_shape[2]
+    Kr = lb.device_shape[2] if rhs_t else K  # the rhs block's K when it is the whole K
+    if rhs_t:
+        # an NT rhs [B, N, Kr]: N in rows dividing N, whole output sticks (or the whole N: the
+        # accumulator spans N, the output block its padded N); K split in whole sticks of both
+        Np = N = n.out.shape[2]
+        tn_c = [(t, t) for t in tiling.divisors(N) if t % lo.elems_per_stick == 0 and t < N]
+        tn_c.append((N, No))
+        qk = math.lcm(la.elems_per_stick, lb.elems_per_stick)
+        tk_c = tiling.stick_blocks(K, qk) if Kp == K == Kr else [K]
+    else:
+        # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to
+        # different extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides
+        # both, and N is one tile: the rhs block and the accumulator span the rhs's padded N,
+        # the output block its own (the PE result is cropped, or zero-padded, to it).
+        Np = lb.device_shape[2]
+        q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
+        tn_c = [(t, t) for t in tiling.divisors(math.gcd(Np, No)) if t % q == 0]
+        if (Np, No) not in tn_c:
+            tn_c.append((Np, No))
+        tk_c = tiling.stick_blocks(K, la.elems_per_stick) if Kp == K else [K]
+    tm_c = tiling.divisors(M)
+    return tm_c, tn_c, tk_c, (Np, Kp, Kr, No)
+
+
+def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -> Stage | None:
     """A matmul's stage in whole blocks (M rows dividing M, N and K in whole sticks dividing
     them), the estimator's best few timed by the timing model (:func:`_pick_matmul`); the
     search is done once per signature. TilingError when none fits; with ``dry``, None once
@@ -126,28 +145,7 @@ def _matmul_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> Stage
     la, lb, lo = ctx.layout(a), ctx.layout(b), ctx.layout(n.out)
     B, M, K = a.shape
     rhs_t = n.params.rhs_t
-    Kp, No = la.device_shape[2], lo.device_shape[2]
-    Kr = lb.device_shape[2] if rhs_t else K  # the rhs block's K when it is the whole K
-    if rhs_t:
-        # an NT rhs [B, N, Kr]: N in rows dividing N, whole output sticks (or the whole N: the
-        # accumulator spans N, the output block its padded N); K split in whole sticks of both
-        Np = N = n.out.shape[2]
-        tn_c = [(t, t) for t in divisors(N) if t % lo.elems_per_stick == 0 and t < N]
-        tn_c.append((N, No))
-        qk = math.lcm(la.elems_per_stick, lb.elems_per_stick)
-        tk_c = stick_blocks(K, qk) if Kp == K == Kr else [K]
-    else:
-        # N tiles: whole sticks of both the rhs and the output. When their dtypes pad N to
-        # different extents (fp16 rhs, fp32 output: 150 -> 192 vs 160) no such tile divides
-        # both, and N is one tile: the rhs block and the accumulator span the rhs's padded N,
-        # the output block its own (the PE result is cropped, or zero-padded, to it).
-        Np = lb.device_shape[2]
-        q = math.lcm(lb.elems_per_stick, lo.elems_per_stick)
-        tn_c = [(t, t) for t in divisors(math.gcd(Np, No)) if t % q == 0]
-        if (Np, No) not in tn_c:
-            tn_c.append((Np, No))
-        tk_c = stick_blocks(K, la.elems_per_stick) if Kp == K else [K]
-    tm_c = divisors(M)
+    tm_c, tn_c, tk_c, (Np, Kp, Kr, No) = _whole_blocks(ctx, n)
     card = ctx.card
     if known is not None:  # an identical matmul was tiled before: build its tiling
         tm_c, tn_c, tk_c = [known[0]], [(known[1], known[2])], [known[3]]
@@ -159,7 +157,7 @@ def _matmul_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> Stage
     pro_s = 0.0
     if pro_body is not None:
         sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
-        pro_s = map_work(pro_body, card)[0] / max(1, math.prod(pro_body.space)) / sfu_rate
+        pro_s = tiling.map_work(pro_body, card)[0] / max(1, math.prod(pro_body.space)) / sfu_rate
     for tm, (tn, tno), tk in product(tm_c, tn_c, tk_c):
         gm, gn, gk = M // tm, Np // tn, K // tk
         ntiles = B * gm * gn
@@ -201,7 +199,7 @@ def _matmul_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> Stage
                 + gk * max(load, comp)
                 + (rounds - 1) * gk * max(load + store / gk, comp)
                 + store
-                + steps * STEP_OVERHEAD_S
+                + steps * tiling.STEP_OVERHEAD_S
             )
             cands_all.append((est, steps, tm, (tn, tno), tk, m_inner))
     if not cands_all:
@@ -237,15 +235,15 @@ def _matmul_stage_whole(ctx: TilingContext, n: Node, dry: bool = False) -> Stage
 
     if known is not None:
         return build(*known)
-    stage, tiling = _pick_matmul(ctx, cands_all, build)
+    stage, choice = _pick_matmul(ctx, cands_all, build)
     if key is not None:
         if len(_matmul_choices) >= MATMUL_CHOICES:
             _matmul_choices.clear()
-        _matmul_choices[key] = tiling
+        _matmul_choices[key] = choice
     return stage
 
 
-def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
+def _matmul_general(ctx: tiling.TilingContext, n: Node, tier: tiling.Tier) -> Stage:
     """A matmul in ragged blocks: M in rows, N in whole sticks, K split across steps in whole
     lhs sticks (fp32 partial sums carried in the accumulator; a last K block past K is
     masked). Single-buffered when nothing else fits."""
@@ -265,9 +263,9 @@ def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
         q, qk = math.lcm(lb.elems_per_stick, lo.elems_per_stick), la.elems_per_stick
     card = ctx.card
     al = lambda x: -(-x // card.stick_bytes) * card.stick_bytes  # noqa: E731
-    tm_c = np.asarray([M] + ragged_blocks(M, 1), np.int64)
-    tn_c = np.asarray([0] + ragged_blocks(N, q), np.int64)  # 0: the whole N
-    tk_c = np.asarray([0] + ragged_blocks(K, qk), np.int64)  # 0: the whole K
+    tm_c = np.asarray([M] + tiling.ragged_blocks(M, 1), np.int64)
+    tn_c = np.asarray([0] + tiling.ragged_blocks(N, q), np.int64)  # 0: the whole N
+    tk_c = np.asarray([0] + tiling.ragged_blocks(K, qk), np.int64)  # 0: the whole K
     TM, TN, TK = (x.reshape(-1) for x in np.meshgrid(tm_c, tn_c, tk_c, indexing="ij"))
     wn, wk = TN == 0, TK == 0
     gm = -(-M // TM)
@@ -281,7 +279,7 @@ def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
     steps = -(-ntiles // ctx.ncores) * gk
     alv = np.vectorize(al, otypes=[np.int64])
     best = None
-    for single in (False, True) if tier is Tier.SINGLE else (False,):
+    for single in (False, True) if tier is tiling.Tier.SINGLE else (False,):
         slots = np.where(single | (steps > 1), np.where(single, 1, 2), 1)
         plan = (
             alv(TM * tkp * la.itemsize) * slots
@@ -301,7 +299,7 @@ def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
         comp = 2 * TM * tn_r * tkp / card.pe_flops_sustained_per_core
         over = 0.0 if not single else 1.0
         est = load + (steps - 1) * (np.maximum(load, comp) + over * np.minimum(load, comp))
-        est = est + comp + steps * STEP_OVERHEAD_S
+        est = est + comp + steps * tiling.STEP_OVERHEAD_S
         est = np.where(ok, est, np.inf)
         fastest = est.min()
         near = np.flatnonzero(est <= 1.1 * fastest)
@@ -309,7 +307,7 @@ def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
         best = (int(TM[pick]), int(TN[pick]), int(TK[pick]), single)
         break
     if best is None:  # even blocks of one stick do not fit: about this much
-        raise NoFit(
+        raise tiling.NoFit(
             al(la.elems_per_stick * la.itemsize)
             + al(lb.elems_per_stick * q * lb.itemsize)
             + al(q * lo.itemsize)
@@ -335,36 +333,24 @@ def _matmul_general(ctx: TilingContext, n: Node, tier: Tier) -> Stage:
     return matmul_stage(ctx, n, grid, (lhs, rhs, out), (la, lb, lo), slots, (1, tm, tn_r))
 
 
-def plan_matmul(ctx: TilingContext, n: Node) -> list[Stage]:
+def plan_matmul(ctx: tiling.TilingContext, n: Node) -> list[Stage]:
     """A matmul node's stage, from the first tier that fits. A fused matmul (an epilogue or a
     prologue) has whole blocks only: the unfuse pass has split the ones that do not fit."""
-
-    def build(tier: Tier) -> list[Stage]:
-        if tier is Tier.WHOLE:
-            return [_matmul_stage_whole(ctx, n)]
-        return [_matmul_general(ctx, n, tier)]
-
     fused = n.params.prologue is not None or n.params.epilogue is not None
     what = f"matmul {n.inputs[0].shape}x{n.inputs[1].shape}" + (
         " with its fused epilogue or prologue (the unfuse pass splits one that does not fit)"
         if fused
         else ""
     )
-    return first_fit(ctx, what, n.source, build, (Tier.WHOLE,) if fused else TIERS)
+    tiers = (tiling.Tier.WHOLE,) if fused else tiling.TIERS
+    return tiling.plan_node(ctx, n, what, _matmul_stage_whole, _matmul_general, tiers)
 
 
 def fits_whole(n: Node, card: CardSpec) -> bool:
     """Whether the matmul node ``n`` (with its fused epilogue or prologue) has a tiling in
     whole blocks on ``card`` (a dry run of the search: no stage is built). The unfuse pass
     asks this of every fused matmul."""
-    ctx = TilingContext(card)
-    for v in (*n.inputs, *n.outputs):
-        ctx.declare(v, "temp")
-    try:
-        _matmul_stage_whole(ctx, n, dry=True)
-    except TilingError:
-        return False
-    return True
+    return tiling.fits(card, n, lambda ctx, n: _matmul_stage_whole(ctx, n, dry=True))
 
 
 class FusedMap:
@@ -375,7 +361,7 @@ class FusedMap:
 
     def __init__(
         self,
-        ctx: TilingContext,
+        ctx: tiling.TilingContext,
         body: MapBody | None,
         slot: int,
         inputs: tuple[Var, ...],
@@ -396,7 +382,7 @@ class FusedMap:
         for i, v in enumerate(inputs):
             j = i if i < slot else i + 1
             lay = ctx.layout(v)
-            blk, gd, org, stp, local = window(lay, body.views[j], body.space, bl)
+            blk, gd, org, stp, local = tiling.window(lay, body.views[j], body.space, bl)
             gd = tuple(grid_axes[d] if d >= 0 else d for d in gd)
             self.operands.append(Operand(ctx.name(v), blk, gd, f"{prefix}{i}", org, stp))
             self.layouts.append(lay)
@@ -408,7 +394,7 @@ class FusedMap:
         return [(op.block, lay.dtype) for op, lay in zip(self.operands, self.layouts, strict=True)]
 
 
-def epilogue_blocks(ctx: TilingContext, n: Node, tm: int, tno: int) -> FusedMap:
+def epilogue_blocks(ctx: tiling.TilingContext, n: Node, tm: int, tno: int) -> FusedMap:
     """A matmul node's epilogue for output blocks ``[1, tm, tno]``: its operands are the node's
     inputs past the rhs (a prologue's come after them)."""
     ep = n.params.epilogue
@@ -418,7 +404,7 @@ def epilogue_blocks(ctx: TilingContext, n: Node, tm: int, tno: int) -> FusedMap:
     return FusedMap(ctx, body, slot, extras, bl, "e", (0, 1, 2))
 
 
-def prologue_blocks(ctx: TilingContext, n: Node, tm: int, tk: int | None) -> FusedMap:
+def prologue_blocks(ctx: tiling.TilingContext, n: Node, tm: int, tk: int | None) -> FusedMap:
     """A matmul node's prologue for lhs blocks ``[1, tm, tk]`` (``tk`` None: the whole K, one
     block): its operands are the node's last inputs, a block of each loaded with the lhs's on
     every step; the lhs's K is the grid's axis 3."""
@@ -430,7 +416,7 @@ def prologue_blocks(ctx: TilingContext, n: Node, tm: int, tk: int | None) -> Fus
 
 
 def matmul_stage(
-    ctx: TilingContext,
+    ctx: tiling.TilingContext,
     n: Node,
     grid: tuple[int, ...],
     operands: tuple[Operand, Operand, Operand],
@@ -463,7 +449,7 @@ def matmul_stage(
             for op, lay in zip(ep.operands + pro.operands, ep.layouts + pro.layouts, strict=True)
         ]
     )
-    tabs = step_tables(
+    tabs = tiling.step_tables(
         grid,
         [lhs, rhs, *ep.operands, *pro.operands, out],
         [la, lb, *ep.layouts, *pro.layouts, lo],
@@ -474,11 +460,11 @@ def matmul_stage(
     )
     sfu = flops = pro_sfu = 0
     if ep.body is not None:
-        sfu, flops = map_work(ep.body, ctx.card)
+        sfu, flops = tiling.map_work(ep.body, ctx.card)
     if pro.body is not None:
         # the SFUs run it once over the lhs per N block (each block's K loop loads the lhs);
         # its flops count once, as the unfused map's did
-        pro_sfu, pro_flops = map_work(pro.body, ctx.card)
+        pro_sfu, pro_flops = tiling.map_work(pro.body, ctx.card)
         sfu += pro_sfu * grid[2]
         flops += pro_flops
     step = MatmulStep(

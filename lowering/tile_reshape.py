@@ -5,43 +5,26 @@ split into chunks (or groups of rows joined) when one does not fit."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from device_model.kernel import Operand, Stage, TensorDecl
-from device_model.layout import TensorLayout, layout_for
+from device_model.layout import layout_for
 from device_model.steps import ReshapeStep
 
+from . import tiling
 from .graph import Node
-from .tiling import (
-    NoFit,
-    Tier,
-    TilingContext,
-    choose_blocks,
-    choose_general_blocks,
-    divisors,
-    double_or_single,
-    first_fit,
-    lsu_stage,
-    ragged_blocks,
-    slots_for,
-)
 
-__all__ = ["plan_reshape", "reshape_stage"]
+__all__ = ["plan_reshape"]
 
 
-def plan_reshape(ctx: TilingContext, n: Node) -> list[Stage]:
+def plan_reshape(ctx: tiling.TilingContext, n: Node) -> list[Stage]:
     """A re-layout's stages, from the first tier that fits (:func:`_reshape_general` past
     whole blocks)."""
-
-    def build(tier: Tier) -> list[Stage]:
-        if tier is Tier.WHOLE:
-            return [_reshape_stage_whole(ctx, n)]
-        return _reshape_general(ctx, n, tier)
-
-    x = n.inputs[0]
-    return first_fit(ctx, f"reshape {x.shape} -> {n.out.shape}", n.source, build)
+    what = f"reshape {n.inputs[0].shape} -> {n.out.shape}"
+    return tiling.plan_node(ctx, n, what, _reshape_stage_whole, _reshape_general)
 
 
-def _reshape_stage_whole(ctx: TilingContext, n: Node) -> Stage:
+def _reshape_stage_whole(ctx: tiling.TilingContext, n: Node) -> Stage:
     (x,) = n.inputs
     src, dst = x.shape or (1,), n.out.shape or (1,)
     l_in, l_out = src[-1], dst[-1]
@@ -52,7 +35,7 @@ def _reshape_stage_whole(ctx: TilingContext, n: Node) -> Stage:
     vout = ctx.view(base_out, (r_out, l_out), x.dtype)
     li, lo = ctx.decls[vin].layout, ctx.decls[vout].layout
     q = math.lcm(l_in, l_out) // l_out
-    cands = [d for d in divisors(r_out) if d % q == 0] or [r_out]
+    cands = [d for d in tiling.divisors(r_out) if d % q == 0] or [r_out]
 
     def plan(bl: list[int], multi: bool) -> int:
         ro = bl[0]
@@ -62,7 +45,7 @@ def _reshape_stage_whole(ctx: TilingContext, n: Node) -> Stage:
             2 if multi else 1,
         )
 
-    (ro,) = choose_blocks([r_out], [cands], plan, ctx.cap, ctx.ncores, "reshape", n.source)
+    (ro,) = tiling.choose_blocks([r_out], [cands], plan, ctx.cap, ctx.ncores, "reshape", n.source)
     ri = ro * l_out // l_in
     grid = (r_out // ro,)
     iop = Operand(vin, (ri, li.device_shape[1]), (0, -1), "in")
@@ -70,10 +53,12 @@ def _reshape_stage_whole(ctx: TilingContext, n: Node) -> Stage:
     slots = 2 if grid[0] > ctx.ncores else 1
     body = ReshapeStep(l_in=l_in, l_out=l_out)
     name = f"s{len(ctx.stages)}"
-    return reshape_stage(ctx, name, grid, iop, out, (li, lo), x.dtype, slots, body, n.source)
+    return tiling.one_input_stage(
+        ctx, name, grid, (iop, out), (li, lo), (x.dtype, x.dtype), slots, body, n.source
+    )
 
 
-def _reshape_general(ctx: TilingContext, n: Node, tier: Tier) -> list[Stage]:
+def _reshape_general(ctx: tiling.TilingContext, n: Node, tier: tiling.Tier) -> list[Stage]:
     """A re-layout in ragged row blocks, rows split into chunks when one does not fit.
 
     With ``l_in``/``l_out`` the logical row lengths before and after: when ``l_out`` divides
@@ -92,47 +77,53 @@ def _reshape_general(ctx: TilingContext, n: Node, tier: Tier) -> list[Stage]:
     stick = ctx.card.stick_bytes
     mark = ctx.mark()
     try:
+        rows = Rows(base_in, base_out, dt, l_in, l_out, r_in, r_out)
         if l_in % l_out == 0 or l_out % l_in == 0:
-            return [_reshape_chunks(ctx, n, tier, base_in, base_out, dt, l_in, l_out, r_in, r_out)]
-        return [_reshape_groups(ctx, n, tier, base_in, base_out, dt, l_in, l_out, r_in, r_out)]
-    except NoFit as e:
+            return [_reshape_chunks(ctx, n, tier, rows)]
+        return [_reshape_groups(ctx, n, tier, rows)]
+    except tiling.NoFit as e:
         need = e.need
         ctx.rollback(mark)
     # through rows of a common divisor of both row lengths, the largest that fits: the gcd
     # first, then smaller ones (rows of 1 element at worst: each its own stick, a temp that
     # large only for rows longer than the scratchpad whose length has no other divisor)
     g = math.gcd(l_in, l_out)
-    mids = [d for d in sorted(divisors(g), reverse=True) if d not in (l_in, l_out)]
+    mids = [d for d in sorted(tiling.divisors(g), reverse=True) if d not in (l_in, l_out)]
     total = r_in * l_in
     for d in mids[:4] + ([1] if mids[4:] else []):
         mid = f"{base_out}_m{len(ctx.decls)}"
         ctx.decls[mid] = TensorDecl(mid, layout_for((total // d, d), dt, stick), "temp")
         try:
-            s1 = _reshape_chunks(ctx, n, tier, base_in, mid, dt, l_in, d, r_in, total // d)
-            s2 = _reshape_chunks(ctx, n, tier, mid, base_out, dt, d, l_out, total // d, r_out, 1)
+            s1 = _reshape_chunks(ctx, n, tier, Rows(base_in, mid, dt, l_in, d, r_in, total // d))
+            second = Rows(mid, base_out, dt, d, l_out, total // d, r_out)
+            s2 = _reshape_chunks(ctx, n, tier, second, 1)
             return [s1, s2]
-        except NoFit as e:
+        except tiling.NoFit as e:
             need = min(need, e.need)
             ctx.rollback(mark)
         ctx.decls.pop(mid, None)
-    raise NoFit(need)
+    raise tiling.NoFit(need)
+
+
+class Rows(NamedTuple):
+    """A re-layout of rows: ``r_in`` rows of ``l_in`` elements of the tensor ``base_in`` into
+    ``r_out`` rows of ``l_out`` of ``base_out``, in ``dt``."""
+
+    base_in: str
+    base_out: str
+    dt: str
+    l_in: int
+    l_out: int
+    r_in: int
+    r_out: int
 
 
 def _reshape_chunks(
-    ctx: TilingContext,
-    n: Node,
-    tier: Tier,
-    base_in: str,
-    base_out: str,
-    dt: str,
-    l_in: int,
-    l_out: int,
-    r_in: int,
-    r_out: int,
-    offset: int = 0,
+    ctx: tiling.TilingContext, n: Node, tier: tiling.Tier, rows_of: Rows, offset: int = 0
 ) -> Stage:
     """A re-layout where one row length divides the other (see :func:`_reshape_general`); the
     stage is numbered ``offset`` past the ones already scheduled."""
+    base_in, base_out, dt, l_in, l_out, r_in, r_out = rows_of
     finer = l_in % l_out == 0  # each input row makes R output rows
     R = l_in // l_out if finer else l_out // l_in
     rows = r_in if finer else r_out
@@ -146,7 +137,10 @@ def _reshape_chunks(
     eps = (li if finer else lo).elems_per_stick
     unit = l_out if finer else l_in
     # m rows per chunk: m * unit elements of the long rows, whole sticks (the last chunk ragged)
-    cands = {0: ragged_blocks(rows, 1), 1: ragged_blocks(R, eps // math.gcd(eps, unit))}
+    cands = {
+        0: tiling.ragged_blocks(rows, 1),
+        1: tiling.ragged_blocks(R, eps // math.gcd(eps, unit)),
+    }
 
     def blocks(bl: dict[int, int | None]) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
         rb = rows if bl[0] is None else bl[0]
@@ -162,11 +156,13 @@ def _reshape_chunks(
     def choose(single: bool) -> dict[int, int | None]:
         def plan(bl: dict[int, int | None], multi: bool) -> int:
             ib, ob, _, _ = blocks(bl)
-            return ctx.plan_bytes([(ib, dt), (ob, dt)], slots_for(single, multi))
+            return ctx.plan_bytes([(ib, dt), (ob, dt)], tiling.slots_for(single, multi))
 
-        return choose_general_blocks({0: rows, 1: R}, cands, [0, 1], [], plan, ctx.cap, ctx.ncores)
+        return tiling.choose_general_blocks(
+            {0: rows, 1: R}, cands, [0, 1], [], plan, ctx.cap, ctx.ncores
+        )
 
-    bl, single = double_or_single(tier, choose)
+    bl, single = tiling.double_or_single(tier, choose)
     ib, ob, le_in, le_out = blocks(bl)
     g0 = 1 if bl[0] is None else -(-rows // bl[0])
     g1 = 1 if bl[1] is None else -(-R // bl[1])
@@ -179,30 +175,22 @@ def _reshape_chunks(
     else:
         iop = Operand(vin, ib, (d0, d1, -1), "in")
         out = Operand(vout, ob, (d0, d1), "out")
-    slots = slots_for(single, -(-g0 * g1 // ctx.ncores) > 1)
+    slots = tiling.slots_for(single, -(-g0 * g1 // ctx.ncores) > 1)
     name = f"s{len(ctx.stages) + offset}"
     body = ReshapeStep(l_in=le_in, l_out=le_out)
-    return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
+    return tiling.one_input_stage(
+        ctx, name, grid, (iop, out), (li, lo), (dt, dt), slots, body, n.source
+    )
 
 
-def _reshape_groups(
-    ctx: TilingContext,
-    n: Node,
-    tier: Tier,
-    base_in: str,
-    base_out: str,
-    dt: str,
-    l_in: int,
-    l_out: int,
-    r_in: int,
-    r_out: int,
-) -> Stage:
+def _reshape_groups(ctx: tiling.TilingContext, n: Node, tier: tiling.Tier, rows: Rows) -> Stage:
     """A re-layout in ragged blocks of row groups that end together on both sides."""
+    base_in, base_out, dt, l_in, l_out, r_in, r_out = rows
     vin = ctx.view(base_in, (r_in, l_in), dt)
     vout = ctx.view(base_out, (r_out, l_out), dt)
     li, lo = ctx.decls[vin].layout, ctx.decls[vout].layout
     q = math.lcm(l_in, l_out) // l_out
-    cands = {0: [c for c in ragged_blocks(r_out, q) if c % q == 0]}
+    cands = {0: [c for c in tiling.ragged_blocks(r_out, q) if c % q == 0]}
 
     def choose(single: bool) -> dict[int, int | None]:
         def plan(bl: dict[int, int | None], multi: bool) -> int:
@@ -210,36 +198,21 @@ def _reshape_groups(
             ri = r_in if bl[0] is None else ro * l_out // l_in
             return ctx.plan_bytes(
                 [((ri, li.device_shape[1]), dt), ((ro, lo.device_shape[1]), dt)],
-                slots_for(single, multi),
+                tiling.slots_for(single, multi),
             )
 
-        return choose_general_blocks({0: r_out}, cands, [0], [], plan, ctx.cap, ctx.ncores)
+        return tiling.choose_general_blocks({0: r_out}, cands, [0], [], plan, ctx.cap, ctx.ncores)
 
-    bl, single = double_or_single(tier, choose)
+    bl, single = tiling.double_or_single(tier, choose)
     ro = r_out if bl[0] is None else bl[0]
     ri = r_in if bl[0] is None else ro * l_out // l_in
     grid = (-(-r_out // ro),)
     d0 = 0 if bl[0] is not None else -1
     iop = Operand(vin, (ri, li.device_shape[1]), (d0, -1), "in")
     out = Operand(vout, (ro, lo.device_shape[1]), (d0, -1), "out")
-    slots = slots_for(single, -(-grid[0] // ctx.ncores) > 1)
+    slots = tiling.slots_for(single, -(-grid[0] // ctx.ncores) > 1)
     body = ReshapeStep(l_in=l_in, l_out=l_out)
     name = f"s{len(ctx.stages)}"
-    return reshape_stage(ctx, name, grid, iop, out, (li, lo), dt, slots, body, n.source)
-
-
-def reshape_stage(
-    ctx: TilingContext,
-    name: str,
-    grid: tuple[int, ...],
-    iop: Operand,
-    out: Operand,
-    lays: tuple[TensorLayout, TensorLayout],
-    dtype: str,
-    slots: int,
-    body: ReshapeStep,
-    source: str,
-) -> Stage:
-    """A reshape stage (the LSU re-lays ``iop``'s blocks as ``out``'s), ``slots`` per buffer."""
-    scratch = ctx.sp_plan([("in", iop.block, dtype, slots), ("out", out.block, dtype, slots)])
-    return lsu_stage(ctx, name, grid, (iop,), out, list(lays), scratch, body, source)
+    return tiling.one_input_stage(
+        ctx, name, grid, (iop, out), (li, lo), (dt, dt), slots, body, n.source
+    )

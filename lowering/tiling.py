@@ -29,10 +29,10 @@ from device_model.ops import (
     InputView,
     MapBody,
 )
-from device_model.steps import ConcatStep, ReshapeStep
+from device_model.steps import ConcatStep, GatherStep, ReshapeStep
 
 from .errors import TilingError
-from .graph import Var
+from .graph import Node, Var
 
 
 def align(n: int, a: int) -> int:
@@ -330,6 +330,43 @@ class Tier(enum.Enum):
 TIERS = tuple(Tier)
 
 
+def plan_node(
+    ctx: TilingContext,
+    n: Node,
+    what: str,
+    whole: Callable[[TilingContext, Node], Any],
+    general: Callable[[TilingContext, Node, Tier], Any],
+    tiers: tuple[Tier, ...] = TIERS,
+) -> list[Stage]:
+    """:func:`first_fit` for the node ``n``: ``whole(ctx, n)`` for whole blocks,
+    ``general(ctx, n, tier)`` past them (each a stage or a list of stages)."""
+
+    def listed(x: Any) -> list[Stage]:
+        return x if isinstance(x, list) else [x]
+
+    return first_fit(
+        ctx,
+        what,
+        n.source,
+        lambda: listed(whole(ctx, n)),
+        lambda tier: listed(general(ctx, n, tier)),
+        tiers,
+    )
+
+
+def fits(card: CardSpec, n: Node, dry_run: Callable[[TilingContext, Node], Any]) -> bool:
+    """Whether ``dry_run(ctx, n)`` (a tiler's choice of blocks, building nothing) finds a
+    tiling for the node ``n`` alone on ``card`` (its inputs and outputs declared as temps)."""
+    ctx = TilingContext(card)
+    for v in (*n.inputs, *n.outputs):
+        ctx.declare(v, "temp")
+    try:
+        dry_run(ctx, n)
+    except TilingError:
+        return False
+    return True
+
+
 def double_or_single(tier: Tier, choose: Callable[[bool], Any]) -> tuple[Any, bool]:
     """``choose(single)``'s choice double-buffered, or, in the :attr:`Tier.SINGLE` tier when
     that does not fit, single-buffered; and whether it is single. NoFit when neither fits."""
@@ -351,19 +388,21 @@ def first_fit(
     ctx: TilingContext,
     what: str,
     source: str,
-    build: Callable[[Tier], list[Stage]],
+    whole: Callable[[], list[Stage]],
+    general: Callable[[Tier], list[Stage]],
     tiers: tuple[Tier, ...] = TIERS,
 ) -> list[Stage]:
-    """The stages of the first tier whose tiling fits: ``build(tier)`` for each of ``tiers`` in
-    order. A tier that does not fit (TilingError) leaves the context as it found it (its views
-    and temps forgotten). When none fits, a TilingError naming ``what``, the usable
-    scratchpad, what the smallest tiling needs and the user's line ``source``."""
+    """The stages of the first tier whose tiling fits, for each of ``tiers`` in order:
+    ``whole()`` for :attr:`Tier.WHOLE`, ``general(tier)`` for the others. A tier that does not
+    fit (TilingError) leaves the context as it found it (its views and temps forgotten). When
+    none fits, a TilingError naming ``what``, the usable scratchpad, what the smallest tiling
+    needs and the user's line ``source``."""
     needs: list[int] = []
     first: TilingError | None = None
     for tier in tiers:
         mark = ctx.mark()
         try:
-            return build(tier)
+            return whole() if tier is Tier.WHOLE else general(tier)
         except TilingError as err:
             ctx.rollback(mark)
             first = first or err
@@ -480,12 +519,12 @@ def lsu_stage(
     out: Operand,
     lays: list[TensorLayout],
     scratch: Any,
-    step: ReshapeStep | ConcatStep,
+    step: ReshapeStep | ConcatStep | GatherStep,
     source: str,
 ) -> Stage:
-    """A data-movement stage (a reshape or concat ``step``: the LSU moves the inputs' blocks
-    into ``out``'s) over ``grid``, with its scratchpad plan and step tables (``lays``: the
-    inputs' layouts, then the output's)."""
+    """A data-movement stage (a reshape, concat or gather ``step``: the LSU moves the inputs'
+    blocks, or the rows they index, into ``out``'s) over ``grid``, with its scratchpad plan and
+    step tables (``lays``: the inputs' layouts, then the output's)."""
     tabs = step_tables(grid, [*inputs, out], lays, ctx.ncores)
     return Stage(
         name=name,
@@ -497,3 +536,23 @@ def lsu_stage(
         **tabs,
         source=source,
     )
+
+
+def one_input_stage(
+    ctx: TilingContext,
+    name: str,
+    grid: tuple[int, ...],
+    operands: tuple[Operand, Operand],
+    lays: tuple[TensorLayout, TensorLayout],
+    dtypes: tuple[str, str],
+    slots: int,
+    step: ReshapeStep | GatherStep,
+    source: str,
+) -> Stage:
+    """An LSU stage of one input (a re-layout's rows, a gather's indices): ``operands`` (the
+    input, the output) each through a buffer of ``slots`` slots of its dtype in ``dtypes``."""
+    iop, out = operands
+    scratch = ctx.sp_plan(
+        [(iop.sp, iop.block, dtypes[0], slots), (out.sp, out.block, dtypes[1], slots)]
+    )
+    return lsu_stage(ctx, name, grid, (iop,), out, list(lays), scratch, step, source)

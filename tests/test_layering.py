@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("device_model", "lowering", "spyre_jax", "torch_bridge")
 MAX_LINES = 800
+MAX_FUNCTION_LINES = 120
 MAX_LAZY_PROJECT_IMPORTS = 10
 
 
@@ -167,6 +168,46 @@ def test_no_source_file_is_too_long():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     ]
     assert not long, "\n".join(long)
+
+
+def _long_functions(tree: ast.AST, where: str) -> list[str]:
+    return [
+        f"{where}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_is_too_long():
+    long = []
+    for p in MODULES.values():
+        long += _long_functions(ast.parse(p.read_text()), str(p.relative_to(ROOT)))
+    assert not long, "\n".join(long)
+    planted = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    assert _long_functions(ast.parse(planted), "planted")
+
+
+def _private_imports(tree: ast.AST) -> list[str]:
+    """Names starting with one underscore that a module imports from one of ours."""
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.ImportFrom):
+            continue
+        ours = n.level > 0 or (n.module or "").split(".")[0] in PACKAGES
+        if ours:
+            out += [a.name for a in n.names if a.name.startswith("_") and a.name[1:2] != "_"]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    # each module's public names are its interface (the tilers share lowering.tiling's)
+    found = []
+    for mod, p in MODULES.items():
+        found += [f"{mod}: {name}" for name in _private_imports(ast.parse(p.read_text()))]
+    assert not found, "\n".join(found)
+    assert _private_imports(ast.parse("from .tiling import _Ctx, step_tables")) == ["_Ctx"]
+    assert _private_imports(ast.parse("from torch.utils import _pytree")) == []
 
 
 def test_a_planted_arrow_is_caught(tmp_path):

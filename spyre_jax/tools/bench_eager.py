@@ -25,7 +25,7 @@ import torch
 from torch_bridge import device as dev
 
 from .bench_models import format_table
-from .bench_serve import _llama_tiny
+from .bench_serve import llama_tiny
 
 __all__ = ["bench_eager", "format_eager"]
 
@@ -77,7 +77,7 @@ def _generate_costs(prompt: int, tokens: int) -> dict[str, Any]:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = _llama_tiny(2).eval()
+    model = llama_tiny(2).eval()
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, prompt), generator=g)

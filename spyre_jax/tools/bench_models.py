@@ -100,7 +100,7 @@ def _causal_lm(
     return build
 
 
-_llama_1b = _causal_lm(
+llama_1b = _causal_lm(
     "Llama",
     dict(
         hidden_size=2048,
@@ -134,7 +134,7 @@ _granite_8b = _causal_lm(
 MODELS: dict[str, Callable[[int | None, bool], Any]] = {
     "gpt2-small": _gpt2,
     "bert-base": _bert,
-    "llama-3.2-1b": _llama_1b,
+    "llama-3.2-1b": llama_1b,
     "granite-3.3-8b-2l": _granite_8b,
 }
 

@@ -25,12 +25,12 @@ import torch
 
 from torch_bridge import backend as tb
 
-from .bench_models import _llama_1b, format_table
+from .bench_models import format_table, llama_1b
 
 __all__ = ["SERVE_MODELS", "bench_serve", "format_serve", "step_errors"]
 
 
-def _llama_tiny(layers: int | None) -> Any:
+def llama_tiny(layers: int | None) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -47,8 +47,8 @@ def _llama_tiny(layers: int | None) -> Any:
 
 #: name -> builder(layers)
 SERVE_MODELS = {
-    "llama-tiny": _llama_tiny,
-    "llama-3.2-1b": lambda layers: _llama_1b(layers, False),
+    "llama-tiny": llama_tiny,
+    "llama-3.2-1b": lambda layers: llama_1b(layers, False),
 }
 
 
