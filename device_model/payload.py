@@ -28,7 +28,9 @@ state naming the launch that writes it; a buffer *carried by a loop* is a state 
 and its iteration. Each is one more frozen class here and one more case in
 ``DeviceBuffer.materialize``.
 
-This module imports no JAX.
+Beside the states, how host values become a buffer's host bytes: :func:`to_device_layout` (the
+padded device layout) and :func:`aligned_copy` (memory a launch can adopt as a card array without
+a copy). This module imports no JAX.
 """
 
 from __future__ import annotations

@@ -260,7 +260,8 @@ class DeviceBuffer:
         reading the view joins (``base`` unless given)."""
         v = cls.__new__(cls)
         v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
-        v.state = state_of(payload, shared)
+        t = type(payload)  # state_of, inlined: a view is made for every eager operand
+        v.state = PendingRun(payload) if t is Deferred else state_of(payload, shared)
         v._base, v._owns = base, owns
         v._readers = (readers_of or base)._readers
         return v

@@ -227,7 +227,7 @@ class _Plan:
     """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
     inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
 
-    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad")
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad", "results")
 
     def __init__(self) -> None:
         self.compiled: Any = None
@@ -241,6 +241,9 @@ class _Plan:
         self.host = False  # runs on the host silently (no elements to compute)
         #: on a size bucket's kernel: (the padding, each result's own layout), else None
         self.pad: tuple[buckets.Padding, list[Any]] | None = None
+        #: each result as torch sees it on the card (``storage.CardResult``; not on a bucket's
+        #: kernel, whose results' sizes are the call's), made by the first launch
+        self.results: list[st.CardResult] | None = None
 
 
 _plans: dict[Any, _Plan] = {}
@@ -678,13 +681,24 @@ def _run_plan(plan: _Plan, leaves: list) -> Any:
         if pad is not None:
             _counts["padded_launches"] += 1
             _counts["padding_bytes"] += padding
-    # computed at the bucket's sizes: each result keeps them, its own size the tensor's (the
-    # host crops it when it reads it, the next kernel masks the rest)
-    shapes = [lay.shape for lay in pad[1]] if pad is not None else [None] * len(bufs)
-    res = [
-        st.from_card(b, dt, sd, shape)
-        for b, (dt, sd), shape in zip(bufs, plan.outs, shapes, strict=True)
-    ]
+    if pad is None:
+        results = plan.results
+        if results is None:
+            results = plan.results = [
+                st.card_result(b.layout, dt, sd, b.layout.shape)
+                for b, (dt, sd) in zip(bufs, plan.outs, strict=True)
+            ]
+        res = [
+            st.from_card(b, dt, sd, None, r)
+            for b, (dt, sd), r in zip(bufs, plan.outs, results, strict=True)
+        ]
+    else:
+        # computed at the bucket's sizes: each result keeps them, its own size the tensor's
+        # (the host crops it when it reads it, the next kernel masks the rest)
+        res = [
+            st.from_card(b, dt, sd, lay.shape)
+            for b, (dt, sd), lay in zip(bufs, plan.outs, pad[1], strict=True)
+        ]
     return res[0] if plan.single else tuple(res)
 
 

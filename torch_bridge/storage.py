@@ -80,6 +80,16 @@ class CardResult:
         return _torch_bytes(data, self.layout, self.dtype, self.stride, self.shape)
 
 
+def card_result(
+    layout: TensorLayout, dtype: torch.dtype, stride: tuple[int, ...] | None, shape: Sequence[int]
+) -> CardResult:
+    """The :class:`CardResult` of a ``shape`` tensor of ``dtype`` laid out by ``stride`` (None:
+    contiguous), computed in ``layout``."""
+    isz = dtype.itemsize
+    nbytes = math.prod(shape) * isz if stride is None else storage_nbytes(shape, stride, isz)
+    return CardResult(layout, dtype, stride, nbytes, tuple(shape))
+
+
 class _Region:
     """One torch storage: its device buffer, and torch's view of the buffer's contents.
 
@@ -723,23 +733,23 @@ def from_card(
     dtype: torch.dtype | None,
     stride: tuple[int, ...] | None,
     shape: tuple[int, ...] | None = None,
+    result: CardResult | None = None,
 ) -> torch.Tensor:
     """:func:`from_card_buffer` with the torch dtype and strides given. A card array result
     stays pending (the host does not wait for it) until the host needs its bytes. ``shape``:
     the tensor's, where the buffer holds it at a larger size (a size bucket's result: the rest
-    is cropped when the host reads it, and masked by the kernels that read it)."""
+    is cropped when the host reads it, and masked by the kernels that read it). ``result``: the
+    :class:`CardResult` of these arguments where the caller keeps one (an eager plan's
+    output), made here otherwise."""
     lay = buf.layout
-    shape = lay.shape if shape is None else tuple(shape)
-    dtype = dtype or _TORCH_OF_CARD[lay.dtype]
     data = buf.payload()
-    if stride is None:  # contiguous (the common result): its bytes are its elements'
-        st_stride, nbytes = contig_strides(shape), math.prod(shape) * dtype.itemsize
-    else:
-        st_stride, nbytes = stride, storage_nbytes(shape, stride, dtype.itemsize)
-    if isinstance(data, np.ndarray):
-        payload, pending = _torch_bytes(data, lay, dtype, stride, shape), None
-    else:
-        payload, pending = None, CardResult(lay, dtype, stride, nbytes, shape)
+    host = isinstance(data, np.ndarray)
+    if result is None or host:
+        shape = lay.shape if shape is None else tuple(shape)
+        result = card_result(lay, dtype or _TORCH_OF_CARD[lay.dtype], stride, shape)
+    shape, dtype, nbytes = result.shape, result.dtype, result.nbytes
+    st_stride = contig_strides(shape) if stride is None else stride
+    payload, pending = (result.torch_bytes(data), None) if host else (None, result)
     rt = buf.rt
     base = buf.addr
     with rt.lock, _lock:
