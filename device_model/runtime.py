@@ -9,14 +9,17 @@ Both frontends stand on this module and nothing else of ours: ``spyre_jax.Array`
   :class:`~device_model.memory.DeviceMemory` and its streams). :func:`runtime` is the current
   card; :func:`set_card` starts a new one.
 * :class:`DeviceBuffer`: one region of device memory holding one tensor (in stick layout, or raw
-  bytes for torch storages). Freed when deleted or garbage-collected.
+  bytes for torch storages), its contents one payload state (:mod:`device_model.payload`), with
+  :meth:`~DeviceBuffer.materialize` before a host read and :meth:`~DeviceBuffer.settle_readers`
+  before a host write. Freed when deleted or garbage-collected.
 * :class:`Executable`: a :class:`~device_model.kernel.Kernel` loaded on a card: its constants
   copied into device memory, its :class:`~device_model.recipe.Recipe`, its cost analysis, and the
   vectorized card program (``device_model.execute``), built on first launch.
-* :func:`launch`: executes an executable's recipe on the current stream: a ``copy_in`` step for
-  every host argument, the ``run_kernel`` step; ``copy_out`` steps are taken when the host reads
-  a result (:func:`copy_out`). Races, destroyed streams and a full device memory are refused
-  before anything changes.
+* :func:`launch`: the one launch of both frontends (``spyre_jax.jit``, compiled graphs, eager
+  ops, data movements). It executes an executable's recipe on the current stream: a
+  ``copy_in`` step for every host argument, the ``run_kernel`` step; ``copy_out`` steps are
+  taken when the host reads a result (:func:`copy_out`). Races, destroyed streams and a full
+  device memory are refused before anything changes.
 
 Importing this module does not import JAX (``import torch`` loads the ``spyre`` device, which
 stands on it); the card program is built, and JAX imported, by the first launch.
@@ -27,7 +30,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,8 +38,21 @@ import numpy as np
 from .card import DEFAULT_CARD, CardSpec
 from .deferred import Deferred, Trace, card_array
 from .kernel import Kernel, format_kernel
-from .layout import TensorLayout, layout_for, np_dtype
-from .memory import DeviceMemory, DeviceOOMError
+from .layout import TensorLayout
+from .memory import DeviceMemory
+from .payload import (
+    DELETED,
+    UNWRITTEN,
+    XLA_ALIGN,
+    Deleted,
+    HostBytes,
+    OnCard,
+    PendingRun,
+    State,
+    aligned_copy,
+    state_of,
+    to_device_layout,
+)
 from .recipe import Recipe, copy_seconds
 from .streams import DEFAULT_STREAM, Event, Queues, Token
 from .timing import kernel_cost
@@ -55,7 +71,6 @@ __all__ = [
     "host_reads",
     "device_copy",
     "check_reads",
-    "check_fits",
     "to_device_layout",
     "push_stream",
     "pop_stream",
@@ -155,14 +170,26 @@ class DeviceBuffer:
     """A region of one card's device memory holding one tensor.
 
     ``layout`` is the tensor's stick layout (``None`` for raw bytes, as torch storages keep
-    them); ``nbytes`` the bytes it holds. The payload (a NumPy or JAX array of the region's
-    contents) lives in :class:`~device_model.memory.DeviceMemory`. Freed by :meth:`delete` or
-    when the last reference goes. ``version`` counts the writes to it after it was filled (host
-    copies in and device-side copies: :func:`host_wrote`, :func:`device_copy`).
+    them); ``nbytes`` the bytes it holds. ``state`` is what the simulation keeps for its
+    contents: exactly one of the frozen states of :mod:`device_model.payload` (unwritten, host
+    bytes, a card array, a pending run of the lazy trace, deleted). ``version`` counts the
+    writes to it after it was filled (host copies in and device-side copies: :func:`host_wrote`,
+    :func:`device_copy`). Freed by :meth:`delete` or when the last reference goes.
+
+    Two operations serve the host: :meth:`materialize` (its host bytes, before a host read: a
+    card array or a pending run is converted) and :meth:`settle_readers` (before a host write:
+    the launches in flight that read its host-visible bytes finish first). A buffer keeps a
+    record of such *readers* once :meth:`track_readers` is called (the owner of bytes the host
+    writes in place: a torch storage); a launch reading shared host bytes of a buffer without
+    a record waits for its run instead.
 
     A *view* (:meth:`view`) is a tensor's stick layout seen over bytes of another buffer that
     already hold it (a torch storage whose bytes are the tensor in device layout): it allocates
-    nothing and frees nothing, and it is alive while its base is.
+    nothing and frees nothing, and it is alive while its base is. Its readers are its base's
+    (or those of the buffer given as ``readers_of``).
+
+    The states to come (a donated buffer, one aliased by an in-place update, one carried by a
+    loop) are further states of :mod:`device_model.payload`; the class keeps its shape.
     """
 
     __slots__ = (
@@ -171,31 +198,31 @@ class DeviceBuffer:
         "layout",
         "nbytes",
         "version",
-        "shares_host",
-        "readers",
-        "_freed",
+        "state",
+        "_readers",
         "_base",
-        "_view",
         "_owns",
         "__weakref__",
     )
 
-    def __init__(self, rt: Runtime, addr: int, nbytes: int, layout: TensorLayout | None = None):
+    def __init__(
+        self,
+        rt: Runtime,
+        addr: int,
+        nbytes: int,
+        layout: TensorLayout | None = None,
+        state: State = UNWRITTEN,
+    ):
         self.rt = rt
         self.addr = addr
         self.nbytes = nbytes
         self.layout = layout
         self.version = 0
-        #: the payload is memory the host also writes (a view, ``copy_in(alias=True)``): a
-        #: launch reading it finishes before the host goes on
-        self.shares_host = False
-        #: where its owner tracks launches in flight that read its host bytes (a list the
-        #: owner waits on before the host touches them), or None: such a launch then waits
-        self.readers: list[Any] | None = None
+        self.state: State = state
+        #: results of launches in flight that read its host-visible bytes (None: no record)
+        self._readers: list[Any] | None = None
         self._base: DeviceBuffer | None = None
-        self._view: Any = None
         self._owns = False
-        self._freed = False
 
     @classmethod
     def allocate(
@@ -207,14 +234,13 @@ class DeviceBuffer:
         tag: str = "",
         payload: Any = None,
     ) -> DeviceBuffer:
-        """A new region of ``nbytes`` (DeviceOOMError when none fits; nothing changes then)."""
+        """A new region of ``nbytes`` (DeviceOOMError when none fits; nothing changes then)
+        holding ``payload`` (:func:`device_model.payload.state_of`; unwritten when None)."""
         rt = rt or _current
+        state = state_of(payload)
         with rt.lock:
             addr = rt.memory.alloc(nbytes, tag=tag)
-            buf = cls(rt, addr, nbytes, layout)
-            if payload is not None:
-                rt.memory.store(addr, payload)
-        return buf
+        return cls(rt, addr, nbytes, layout, state)
 
     @classmethod
     def view(
@@ -223,18 +249,21 @@ class DeviceBuffer:
         layout: TensorLayout,
         payload: Any,
         *,
-        shares_host: bool = True,
+        shared: bool = True,
         owns: bool = False,
+        readers_of: DeviceBuffer | None = None,
     ) -> DeviceBuffer:
         """``payload`` (an array over ``base``'s bytes, in ``layout``) as a buffer of its own
-        that shares ``base``'s address: steps that read it read ``base``. ``shares_host``: the
+        that shares ``base``'s address: steps that read it read ``base``. ``shared``: the
         payload is memory the host writes (not an immutable card array). ``owns``: deleting the
-        view frees ``base``."""
+        view frees ``base``. ``readers_of``: the buffer whose record of readers a launch
+        reading the view joins (``base`` unless given)."""
         v = cls.__new__(cls)
         v.rt, v.addr, v.nbytes, v.layout, v.version = base.rt, base.addr, layout.nbytes, layout, 0
-        v._base, v._view, v.shares_host, v._owns = base, payload, shares_host, owns
-        v.readers = None
-        v._freed = False
+        t = type(payload)  # state_of, inlined: a view is made for every eager operand
+        v.state = PendingRun(payload) if t is Deferred else state_of(payload, shared)
+        v._base, v._owns = base, owns
+        v._readers = (readers_of or base)._readers
         return v
 
     @property
@@ -243,37 +272,84 @@ class DeviceBuffer:
 
     @property
     def alive(self) -> bool:
-        return self._base.alive if self._base is not None else not self._freed
-
-    def payload(self) -> Any:
-        """The region's contents; RuntimeError once the buffer has been freed."""
         base = self._base
         if base is not None:
-            if base.alive:
-                return self._view
-        elif not self._freed:
-            return self.rt.memory.load(self.addr)
+            return base.alive
+        return type(self.state) is not Deleted
+
+    @property
+    def shared_with_host(self) -> bool:
+        """Whether its contents are memory the host reads and writes in place."""
+        return self.state.shared
+
+    def payload(self) -> Any:
+        """The state's value (a NumPy or card array, a pending result, a view's source);
+        RuntimeError once the buffer has been freed."""
+        s = self.state
+        base = self._base
+        if type(s) is not Deleted and (base is None or base.alive):
+            return s.value
         raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
 
-    def store(self, payload: Any) -> None:
-        if self._base is not None:
-            self._view = payload  # the same bytes, as another array (a card array of them)
+    def store(self, payload: Any, shared: bool | None = None) -> None:
+        """Hold ``payload`` from now on (the same bytes as another array, or new contents);
+        ``shared`` as the state it replaces unless given."""
+        self.state = state_of(payload, self.state.shared if shared is None else shared)
+
+    def materialize(self, to_host: Callable[[np.ndarray], np.ndarray] | None = None) -> Any:
+        """The contents as host bytes, before a host read: a card array or a pending run (its
+        trace runs first) is copied to the host, through ``to_host`` where given (a frontend's
+        own byte layout, e.g. a torch storage's), and held as shared host bytes from then on.
+        Launches in flight that read the old bytes are not waited for."""
+        s = self.state
+        t = type(s)
+        if t is HostBytes:
+            return s.value
+        if t is OnCard or t is PendingRun:
+            host = np.asarray(card_array(s.value))
+            if to_host is not None:
+                host = to_host(host)
+            self.state = HostBytes(host, True)
+            return host
+        return self.payload()  # unwritten (None) or deleted (raises)
+
+    def track_readers(self) -> None:
+        """Keep a record of the launches in flight that read its host-visible bytes (and
+        those of views made of it from now on), which :meth:`settle_readers` waits for."""
+        if self._readers is None:
+            self._readers = []
+
+    def add_reader(self, result: Any) -> None:
+        """A run in flight (anything with ``block_until_ready``) reads its host bytes."""
+        rd = self._readers
+        if rd is None:
+            result.block_until_ready()
         else:
-            self.rt.memory.store(self.addr, payload)
+            rd.append(result)
+
+    def settle_readers(self) -> None:
+        """Before a host write: wait for every launch in flight that reads its host bytes."""
+        rd = self._readers
+        while rd:
+            rd.pop().block_until_ready()
+
+    def has_readers(self) -> bool:
+        """Whether launches that read its host bytes may still be in flight."""
+        return bool(self._readers)
 
     def delete(self) -> None:
         """Free the region now (idempotent; a view frees nothing, unless it owns its base)."""
         if self._base is None:
-            if not self._freed:
-                self._freed = True
+            if type(self.state) is not Deleted:
+                self.state = DELETED
                 _free_quiet(self.rt, self.addr)
         elif self._owns:
             self._base.delete()
 
     def __del__(self) -> None:  # the last reference went: the region goes with it
         try:
-            if self._base is None and not self._freed:
-                self._freed = True
+            if self._base is None and type(self.state) is not Deleted:
+                self.state = DELETED
                 _free_quiet(self.rt, self.addr)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free into
             pass
@@ -283,58 +359,6 @@ class DeviceBuffer:
         state = "" if self.alive else ", freed"
         kind = "DeviceBuffer view" if self._base is not None else "DeviceBuffer"
         return f"<{kind} {self.addr:#x} {what}{state}>"
-
-
-def to_device_layout(host: Any, layout: TensorLayout) -> np.ndarray:
-    """Host values -> the padded device-layout array (padding zero-filled; rank 0 takes one
-    element)."""
-    a = np.asarray(host).astype(np_dtype(layout.dtype), copy=False)
-    if not layout.shape:
-        a = a.reshape(1)
-    pad = layout.device_shape[-1] - a.shape[-1]
-    if pad:
-        a = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
-    return a
-
-
-#: XLA's CPU client adopts host memory aligned to this many bytes as a card array without a copy
-_XLA_ALIGN = 64
-
-
-def _aligned_copy(a: np.ndarray) -> np.ndarray:
-    """A copy of ``a`` in memory aligned to :data:`_XLA_ALIGN`: the launch that first reads it
-    adopts those bytes instead of holding a second copy of them while it converts."""
-    raw = np.empty(a.nbytes + _XLA_ALIGN, np.uint8)
-    off = -raw.ctypes.data % _XLA_ALIGN
-    out = raw[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
-    np.copyto(out, a)
-    return out
-
-
-def check_fits(
-    tensors: Iterable[tuple[tuple[int, ...], str]],
-    rt: Runtime | None = None,
-    *,
-    together: Iterable[tuple[tuple[int, ...], str]] = (),
-    what: str = "",
-) -> None:
-    """DeviceOOMError, before anything is compiled or allocated, when one of ``tensors``
-    ((shape, dtype) pairs) cannot fit the card's device memory at all, or when the tensors of
-    ``together`` (a model's weights and inputs: what must be in device memory at once) exceed it
-    in sum (the error names ``what``)."""
-    rt = rt or _current
-    st = rt.memory.stats()
-    for shape, dtype in tensors:
-        need = layout_for(tuple(shape), dtype, rt.card.stick_bytes).nbytes
-        if need > st["bytes_limit"]:
-            raise DeviceOOMError(
-                need, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"], what
-            )
-    total = sum(layout_for(tuple(s), d, rt.card.stick_bytes).nbytes for s, d in together)
-    if total > st["bytes_limit"]:
-        raise DeviceOOMError(
-            total, st["bytes_in_use"], st["bytes_limit"], st["largest_free_block"], what
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,12 +387,12 @@ def copy_in(
     rt.queues.state(sid)
     data = to_device_layout(host, layout)
     shared = isinstance(host, np.ndarray) and np.may_share_memory(data, host)
-    if (shared and not alias) or (not shared and data.ctypes.data % _XLA_ALIGN):
-        data = _aligned_copy(data)
+    if (shared and not alias) or (not shared and data.ctypes.data % XLA_ALIGN):
+        data = aligned_copy(data)
         shared = False
     n = layout.nbytes
-    buf = DeviceBuffer.allocate(n, layout, rt=rt, tag=tag, payload=data)
-    buf.shares_host = shared and alias
+    buf = DeviceBuffer.allocate(n, layout, rt=rt, tag=tag)
+    buf.state = HostBytes(data, shared and alias)
     rt.queues.submit(
         sid,
         "copy_in",
@@ -478,21 +502,21 @@ def synchronize(rt: Runtime | None = None, stream: int | None = None) -> float:
 
 
 class Executable:
-    """A kernel loaded on a card: constants in device memory, recipe, figures, card program.
+    """A card program loaded on a card: constants in device memory, recipe, figures, program.
 
-    ``kernel.inputs`` are the arguments followed by the constants (``kernel.consts``). The
-    constants are copied in once and live as long as the executable.
+    Usually a compiled :class:`~device_model.kernel.Kernel` (``kernel.inputs`` are the
+    arguments followed by the constants, ``kernel.consts``; the constants are copied in once and
+    live as long as the executable). :meth:`for_program` loads a data movement given as a JAX
+    program instead (no kernel, no constants; its time on the card is given per launch).
     """
 
     def __init__(self, kernel: Kernel, rt: Runtime | None = None):
         rt = rt or _current
-        self.kernel = kernel
+        self.kernel: Kernel | None = kernel
         self.rt = rt
         self._cost = kernel_cost(kernel, rt.card)
         decls = {t.name: t for t in kernel.tensors}
         n_in = len(kernel.inputs) - len(kernel.consts)
-        self.in_layouts = tuple(decls[n].layout for n in kernel.inputs[:n_in])
-        self.out_layouts = tuple(decls[o].layout for o in kernel.outputs)
         self.consts: list[DeviceBuffer] = []
         try:
             for name, arr in kernel.consts:
@@ -506,26 +530,61 @@ class Executable:
             for c in self.consts:
                 c.delete()
             raise
-        self._const_addrs = tuple(c.addr for c in self.consts)
         temp = sum(t.layout.nbytes for t in kernel.tensors if t.role == "temp")
-        # the outputs, then (if any) one workspace for the intermediates
-        self._out_sizes = [lay.nbytes for lay in self.out_layouts] + ([temp] if temp else [])
-        self.kernel_seconds = self._cost["sim_time_us"] * 1e-6
-        self.step_name = f"run {kernel.name}"
-        self.recipe = Recipe.for_kernel(
+        self._setup(
             kernel.name,
-            list(self.in_layouts),
-            list(self.out_layouts),
-            self.kernel_seconds,
-            len(self.consts),
-            rt.card,
+            tuple(decls[n].layout for n in kernel.inputs[:n_in]),
+            tuple(decls[o].layout for o in kernel.outputs),
+            self._cost["sim_time_us"] * 1e-6,
+            temp,
         )
-        #: the recipe as (kind, index) pairs, the order ``launch`` executes them in
-        self.plan = tuple((st.kind, st.index) for st in self.recipe.steps)
-        self._out_nbytes = tuple(lay.nbytes for lay in self.out_layouts)
         self._runner: Any = None
         #: it is one jitted program (a staged one runs stage by stage: never deferred)
         self._jitted = False
+
+    @classmethod
+    def for_program(
+        cls,
+        name: str,
+        program: Callable[..., Any],
+        in_layouts: Sequence[TensorLayout],
+        out_layouts: Sequence[TensorLayout],
+        rt: Runtime | None = None,
+    ) -> Executable:
+        """A data movement (a concatenation, a re-layout) as an executable: ``program`` (a
+        jitted JAX program) takes one card array per argument, then the launch's ``params``,
+        and returns the outputs. On the timeline it is a ``run_kernel`` step whose time the
+        launch gives (``seconds``)."""
+        ex = cls.__new__(cls)
+        ex.kernel, ex.rt, ex._cost, ex.consts = None, rt or _current, {}, []
+        ex._setup(name, tuple(in_layouts), tuple(out_layouts), 0.0, 0)
+        ex._runner = program
+        ex._jitted = hasattr(program, "lower")
+        ex._load_jax()
+        return ex
+
+    def _setup(
+        self,
+        name: str,
+        in_layouts: tuple[TensorLayout, ...],
+        out_layouts: tuple[TensorLayout, ...],
+        seconds: float,
+        workspace: int,
+    ) -> None:
+        self.name = name
+        self.in_layouts = in_layouts
+        self.out_layouts = out_layouts
+        self._const_addrs = tuple(c.addr for c in self.consts)
+        # the outputs, then (if any) one workspace for the intermediates
+        self._out_sizes = [lay.nbytes for lay in out_layouts] + ([workspace] if workspace else [])
+        self.kernel_seconds = seconds
+        self.step_name = f"run {name}"
+        self.recipe = Recipe.for_kernel(
+            name, list(in_layouts), list(out_layouts), seconds, len(self.consts), self.rt.card
+        )
+        #: the recipe as (kind, index) pairs, the order ``launch`` executes them in
+        self.plan = tuple((st.kind, st.index) for st in self.recipe.steps)
+        self._out_nbytes = tuple(lay.nbytes for lay in out_layouts)
         self._device_array: Any = None
         self._block: Any = None
         #: its variants with other card programs (:meth:`with_runner`), kept by their user
@@ -543,22 +602,25 @@ class Executable:
 
     def as_text(self) -> str:
         """The schedule, readable."""
-        return format_kernel(self.kernel)
+        return format_kernel(self.kernel) if self.kernel is not None else self.step_name
+
+    def _load_jax(self) -> None:
+        # imported here: the card program needs JAX, which ``import torch`` must not load
+        import jax
+
+        # a resident buffer's payload becomes a card (JAX) array once, over the same bytes:
+        # payloads own their memory (copy_in) or alias it on purpose (copy_in(alias=True))
+        self._device_array = functools.partial(jax.device_put, may_alias=True)
+        self._block = jax.block_until_ready
 
     def runner(self) -> Any:
         """The jitted card program (``device_model.execute``), built on first use."""
         if self._runner is None:
-            # imported here: the card program needs JAX, which ``import torch`` must not load
-            import jax
-
             from . import program
 
             self._runner = program.build_runner(self.kernel)
             self._jitted = hasattr(self._runner, "lower")
-            # a resident buffer's payload becomes a card (JAX) array once, over the same bytes:
-            # payloads own their memory (copy_in) or alias it on purpose (copy_in(alias=True))
-            self._device_array = functools.partial(jax.device_put, may_alias=True)
-            self._block = jax.block_until_ready
+            self._load_jax()
         return self._runner
 
     def with_runner(self, runner: Any) -> Executable:
@@ -571,33 +633,43 @@ class Executable:
         return ex
 
     def __repr__(self) -> str:
-        return f"<spyre Executable {self.kernel.name}: {self.num_inputs} args>"
+        return f"<spyre Executable {self.name}: {self.num_inputs} args>"
 
 
 #: a buffer's record of launches in flight that read it drops the finished ones past this many
 _READERS_PRUNE = 64
 
 
-def launch(exe: Executable, args: Sequence[Any], *, defer: bool = False) -> list[DeviceBuffer]:
-    """Run ``exe``'s recipe once on the current stream; one output buffer per kernel output.
+def launch(
+    exe: Executable,
+    args: Sequence[Any],
+    *,
+    defer: bool = False,
+    params: Sequence[Any] = (),
+    seconds: float | None = None,
+) -> list[DeviceBuffer]:
+    """Run ``exe``'s recipe once on the current stream; one output buffer per output. The one
+    launch of both frontends: ``spyre_jax.jit``, torch's compiled graphs, eager ops and the
+    data movements of ``torch_bridge.card_cat`` all come here.
 
     ``defer``: the card program that computes the outputs may be recorded in the card's trace
     (:mod:`device_model.deferred`) and run later, with the next ones, when a value is needed;
     everything else (checks, memory, the timeline) happens now either way.
 
-    ``args``: one per kernel argument, a :class:`DeviceBuffer` (used in place) or host values
-    (copied in for this launch, freed after it). Refused before anything changes on: a buffer of
-    another card (ValueError), a race on a device-resident argument (RaceError), a destroyed
-    stream (StreamError), a full device memory (DeviceOOMError).
+    ``args``: one per argument, a :class:`DeviceBuffer` (used in place) or host values (copied
+    in for this launch, freed after it). ``params``: values the program takes after them as
+    they are (a data movement's offsets: no copy, no step). ``seconds``: the step's time on
+    the card where the executable has none of its own (:meth:`Executable.for_program`).
+    Refused before anything changes on: a buffer of another card (ValueError), a race on a
+    device-resident argument (RaceError), a destroyed stream (StreamError), a full device
+    memory (DeviceOOMError: nothing stays allocated).
     """
     rt = exe.rt
     q = rt.queues
     st = getattr(_local, "stack", None)  # current_stream_id(), inlined: the launch is hot
     sid = st[-1][1] if st and st[-1][0] is rt and rt is _current else DEFAULT_STREAM
     if len(args) != len(exe.in_layouts):
-        raise TypeError(
-            f"spyre: {exe.kernel.name} takes {len(exe.in_layouts)} arguments, got {len(args)}"
-        )
+        raise TypeError(f"spyre: {exe.name} takes {len(exe.in_layouts)} arguments, got {len(args)}")
     resident = []
     for a in args:
         if type(a) is DeviceBuffer:
@@ -620,7 +692,7 @@ def launch(exe: Executable, args: Sequence[Any], *, defer: bool = False) -> list
                     temps.append(b)
                     bufs[index] = b
             elif kind == "run_kernel":
-                outs = _run_kernel(exe, bufs, temps, sid, defer)
+                outs = _run_kernel(exe, bufs, temps, sid, defer, params, seconds)
             # copy_out steps are taken when the host reads a result (copy_out)
     finally:
         for t in temps:
@@ -629,7 +701,13 @@ def launch(exe: Executable, args: Sequence[Any], *, defer: bool = False) -> list
 
 
 def _run_kernel(
-    exe: Executable, bufs: list[DeviceBuffer], temps: list[DeviceBuffer], sid: int, defer: bool
+    exe: Executable,
+    bufs: list[DeviceBuffer],
+    temps: list[DeviceBuffer],
+    sid: int,
+    defer: bool,
+    params: Sequence[Any],
+    seconds: float | None,
 ) -> list[DeviceBuffer]:
     rt = exe.rt
     runner = exe._runner or exe.runner()
@@ -638,6 +716,8 @@ def _run_kernel(
         if type(p) is np.ndarray and bufs[i] not in temps:
             p = payloads[i] = exe._device_array(p)  # a resident host payload: a card array once
             bufs[i].store(p)
+    if params:
+        payloads += params
     if exe.consts:
         payloads += [c.payload() for c in exe.consts]
     # one jitted program may wait in the trace; a staged one takes its arguments' values now
@@ -651,25 +731,8 @@ def _run_kernel(
             results: list[Any] = rt.trace.call(runner, payloads, len(exe.out_layouts))
         else:
             results = runner(*payloads)
-        # the host may write the bytes of inputs that share its memory next: unless the run has
-        # finished (it ran where called; the outputs of one run are ready together), each such
-        # input's storage records the launch (its writer waits for it), or where one keeps no
-        # record the launch waits here (and then no record is needed)
         if results and not results[0].is_ready():
-            shared = [b for b in bufs if b.shares_host]
-            lists = [b._base.readers if b._base is not None else None for b in shared]
-            if None in lists:
-                exe._block([card_array(r) for r in results])
-            else:
-                # a deferred run is waited for as its trace's batch (its results may die first)
-                mark = rt.trace.batch if type(results[0]) is Deferred else None
-                for rd in lists:
-                    if len(rd) >= _READERS_PRUNE:
-                        rd[:] = [r for r in rd if not r.is_ready()]
-                    if mark is None:
-                        rd.extend(results)
-                    elif not rd or rd[-1] is not mark:
-                        rd.append(mark)
+            _record_readers(exe, rt, bufs, results)
     except BaseException:
         for a in addrs:
             rt.memory.free(a)
@@ -678,17 +741,42 @@ def _run_kernel(
     if len(addrs) > nout:
         rt.memory.free(addrs[-1])  # the workspace of intermediates
     outs = []
+    pending = type(results[0]) is Deferred if results else False
     for a, lay, n, r in zip(addrs, exe.out_layouts, exe._out_nbytes, results, strict=False):
-        rt.memory.store(a, r, n)
-        outs.append(DeviceBuffer(rt, a, n, lay))
+        outs.append(DeviceBuffer(rt, a, n, lay, PendingRun(r) if pending else OnCard(r)))
     rt.queues.submit(
         sid,
         "run_kernel",
         exe.step_name,
         reads=tuple([b.addr for b in bufs]) + exe._const_addrs,
         writes=addrs[:nout],
-        duration=exe.kernel_seconds,
+        duration=exe.kernel_seconds if seconds is None else seconds,
         detail=exe._cost,
         checked=True,  # launch checked every device-resident argument; copies-in are ours
     )
     return outs
+
+
+def _record_readers(
+    exe: Executable, rt: Runtime, bufs: list[DeviceBuffer], results: list[Any]
+) -> None:
+    """The host may write the bytes of inputs that share its memory next: unless the run has
+    finished (it ran where called; the outputs of one run are ready together), each such input
+    records the launch among its readers (its writer waits for it), or where one keeps no
+    record the launch waits here (and then no record is needed)."""
+    shared = [b for b in bufs if b.state.shared]
+    if not shared:
+        return
+    lists = [b._readers for b in shared]
+    if None in lists:
+        exe._block([card_array(r) for r in results])
+        return
+    # a deferred run is waited for as its trace's batch (its results may die first)
+    mark = rt.trace.batch if type(results[0]) is Deferred else None
+    for rd in lists:
+        if len(rd) >= _READERS_PRUNE:
+            rd[:] = [r for r in rd if not r.is_ready()]
+        if mark is None:
+            rd.extend(results)
+        elif not rd or rd[-1] is not mark:
+            rd.append(mark)

@@ -13,10 +13,11 @@ import jax
 import numpy as np
 
 from device_model.kernel import Kernel, format_kernel
-from device_model.runtime import Executable, check_fits, launch, runtime
+from device_model.runtime import Executable, launch, runtime
 from device_model.timing import kernel_cost
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
+from lowering.loading import check_fits
 from lowering.pipeline import compile_graph
 
 from .multicard import MultiLowered, shard_map_eqn
@@ -207,7 +208,7 @@ class Jitted:
         if sm is not None:  # a multi-card function: one program per card, and collectives
             return MultiLowered(self, key, closed, sm, out_store["tree"], t0, name)  # type: ignore[return-value]
         graph = from_jaxpr(closed, name=name)
-        _check_fits(graph)
+        check_fits(graph)
         kernel = compile_graph(graph, runtime().card)
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)
 
@@ -230,18 +231,6 @@ class Jitted:
         if c is None:
             c = self._trace(key, info, key[1]).compile()
         return c._run(leaves)
-
-
-def _check_fits(graph: Graph) -> None:
-    """Raise DeviceOOMError before scheduling when one tensor, or the arguments and constants
-    together, cannot fit device memory."""
-    values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
-    held = [*graph.inputs, *(v for v, _ in graph.consts)]
-    check_fits(
-        ((v.shape, v.dtype) for v in values),
-        together=((v.shape, v.dtype) for v in held),
-        what=f"{graph.name}: its arguments and constants together",
-    )
 
 
 def jit(

@@ -20,7 +20,8 @@ from conftest import rng
 import spyre_jax
 from device_model import blocks, program
 from device_model.layout import layout_for
-from device_model.runtime import _XLA_ALIGN, copy_in, runtime
+from device_model.payload import XLA_ALIGN
+from device_model.runtime import copy_in, runtime
 from spyre_jax.tools.testing import assert_close
 
 
@@ -107,7 +108,7 @@ def test_a_host_payload_is_aligned_and_adopted_by_the_card(fresh_card):
     host[:] = 1.5
     buf = copy_in(host, layout_for((64, 64), "float16", 128), rt=runtime())
     payload = buf.payload()
-    assert isinstance(payload, np.ndarray) and payload.ctypes.data % _XLA_ALIGN == 0
+    assert isinstance(payload, np.ndarray) and payload.ctypes.data % XLA_ALIGN == 0
     assert not np.shares_memory(payload, host)
     host[:] = 0  # the buffer owns its bytes
     buf.delete()

@@ -31,7 +31,7 @@ def test_a_host_write_waits_for_kernels_reading_the_bytes():
     a.add_(1.0)
     assert_close(b.cpu(), x @ x)
     assert bool((a.cpu() == 8.0).all())
-    assert not storage.region(a).readers
+    assert not storage.region(a).buf.has_readers()
 
 
 def test_pending_results_of_every_dtype_convert_as_torch_expects():
@@ -56,7 +56,7 @@ def test_synchronize_waits_for_everything_in_flight():
     outs = [a @ a for _ in range(4)]
     torch.spyre.synchronize()
     assert all(
-        storage.region(o).pending is None or storage.region(o).pending[0].is_ready() for o in outs
+        storage.region(o).pending is None or storage.region(o).card_value().is_ready() for o in outs
     )
 
 

@@ -184,11 +184,11 @@ def test_a_result_laid_out_by_strides_is_read_whole_without_a_gather():
     for _ in range(2):
         r = s.transpose(0, 2) * 2  # strides (1, 40, 200), pending
         assert r.stride() == (x.transpose(0, 2) * 2).stride()
-        key, _ = storage._view_key(storage.region(r), r, storage.region(r).pending[1], 0)
+        key, _ = storage._view_key(storage.region(r), r, storage.region(r).pending.layout, 0)
         assert key[0][0] == "masked"
         pend = storage.region(r).pending
-        if tuple(pend[5]) == pend[1].shape:  # not at a bucket (a plan cached by another test)
-            buf, geometry = storage.card_operand(r, pend[1])
+        if pend.shape == pend.layout.shape:  # not at a bucket (a plan cached by another test)
+            buf, geometry = storage.card_operand(r, pend.layout)
             buf.delete()
             assert geometry is None  # read as it is: no gather folded into the kernel
         _same((r + 1).cpu(), x.transpose(0, 2) * 2 + 1)

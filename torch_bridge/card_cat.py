@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from device_model.layout import TensorLayout, layout_for
-from device_model.runtime import DeviceBuffer, check_reads, device_copy, runtime
+from device_model.runtime import Executable, Runtime, check_reads, launch, runtime
 from lowering.from_fx import card_dtype
 
 from . import buckets
@@ -91,20 +91,38 @@ def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
             b, g = st.card_operand(t, layout, 0)
             operands.append(b)
             geometries.append(g)
-        program = st._relayout().cat_program(tuple(geometries), layout, dim)
-        args = [b.payload() for b in operands] + [np.array(offsets, np.int32)]
-        out = rt.trace.call(program, args, 1)[0]  # deferred with the eager launches around it
-        if any(b.shares_host for b in operands):  # the host may write those bytes next
-            out.block_until_ready()
-        buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=rt, tag="torch-cat", payload=out)
+        exe = _movement(tuple(geometries), layout, dim, rt)
+        nbytes = math.prod(shape) * first.element_size()
+        # a device-side copy of the result's bytes (one read and one write of each)
+        seconds = 2 * nbytes / rt.card.memory_bw(0.5)
+        offs = np.array(offsets, np.int32)
+        (buf,) = launch(exe, operands, defer=True, params=(offs,), seconds=seconds)
     finally:
         for b in operands:
             b.delete()
-    nbytes = math.prod(shape) * first.element_size()
-    device_copy(f"cat {st.describe(first)} x{len(tensors)}", sources, [buf], nbytes)
     with _lock:
         _counts["card_cats"] += 1
     return st.from_card(buf, dtype, None, shape)
+
+
+def _movement(
+    geometries: tuple[tuple | None, ...], layout: TensorLayout, dim: int, rt: Runtime
+) -> Executable:
+    """The cat program of these operand geometries (:func:`torch_bridge.relayout.cat_program`)
+    loaded as a data movement on ``rt``, kept per geometry."""
+    key = (geometries, layout, dim, rt)
+    exe = _movements.get(key)
+    if exe is None:
+        program = st._relayout().cat_program(geometries, layout, dim)
+        n = len(geometries)
+        exe = Executable.for_program(f"cat x{n}", program, (layout,) * n, (layout,), rt)
+        if len(_movements) >= 1024:
+            _movements.clear()
+        _movements[key] = exe
+    return exe
+
+
+_movements: dict[tuple, Executable] = {}
 
 
 #: the family of every cat call in :mod:`torch_bridge.buckets` (with its count, dim, rank, dtype)

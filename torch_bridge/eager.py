@@ -7,13 +7,17 @@ result computed by torch's own fake kernels), imported by ``lowering.from_fx`` a
 A node ``from_fx`` has no rule for is retried as the op's core-ATen decomposition
 (``make_fx`` with ``core_aten_decompositions``) when every op of that has a rule.
 
-Compiled graphs are cached by (op, argument structure, each tensor's shape and dtype, the static
-arguments, the card): the same op on the same shapes never compiles twice (:func:`stats`,
-``"compiles"``). Inputs are gathered from their storage into the card's stick layout for the
-launch (a strided view is a re-layout step); results become fresh storage (the launch's own
-output region where it fits). Python numbers in tensor positions (``x + 2.5``) are rank-0
-inputs, not compile-time constants, so ``x + 2.5`` and ``x + 3.5`` share one kernel; numbers in
-scalar positions (``alpha``, ``dim``, ``eps``, a ``pow`` exponent) are static and in the key.
+Compiled kernels live in the one-op kernel cache below both frontends
+(``lowering.loading.OP_KERNELS``), keyed by plain data (:func:`op_key`: the op's name, the
+argument structure, each tensor's shape and dtype name, the static arguments, the card): the
+same op on the same shapes never compiles twice (:func:`stats`, ``"compiles"``). This module
+keeps the torch side: turning an ATen call into that key, and its plans (how a call's tensors
+become the kernel's arguments), found by a cheap key of the call. Inputs are gathered from their
+storage into the card's stick layout for the launch (a strided view is a re-layout step);
+results become fresh storage (the launch's own output region where it fits). Python numbers in
+tensor positions (``x + 2.5``) are rank-0 inputs, not compile-time constants, so ``x + 2.5`` and
+``x + 3.5`` share one kernel; numbers in scalar positions (``alpha``, ``dim``, ``eps``, a
+``pow`` exponent) are static and in the key.
 
 In-place and ``out=`` variants run their functional op on the card and copy the result into
 the written tensor. An op with no lowering rule (or one the card cannot run: float64, a
@@ -44,6 +48,7 @@ from device_model.layout import layout_for, np_dtype
 from device_model.memory import DeviceOOMError
 from device_model.runtime import launch, runtime
 from lowering.from_fx import RULES, card_dtype, from_fx, supported
+from lowering.loading import OP_KERNELS, OpKey
 
 from . import buckets
 from . import storage as st
@@ -222,7 +227,7 @@ class _Plan:
     """How to run one op signature: the compiled graph (or why it runs on the CPU), the graph
     inputs (leaf index, kind, placeholder dtype), the results' fake tensors."""
 
-    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad")
+    __slots__ = ("compiled", "inputs", "outs", "single", "reason", "host", "pad", "results")
 
     def __init__(self) -> None:
         self.compiled: Any = None
@@ -236,10 +241,12 @@ class _Plan:
         self.host = False  # runs on the host silently (no elements to compute)
         #: on a size bucket's kernel: (the padding, each result's own layout), else None
         self.pad: tuple[buckets.Padding, list[Any]] | None = None
+        #: each result as torch sees it on the card (``storage.CardResult``; not on a bucket's
+        #: kernel, whose results' sizes are the call's), made by the first launch
+        self.results: list[st.CardResult] | None = None
 
 
 _plans: dict[Any, _Plan] = {}
-_compiled: dict[Any, Any] = {}  # card key (no strides) -> Compiled
 _lift_slots: dict[Any, tuple[frozenset, frozenset]] = {}
 
 
@@ -294,6 +301,24 @@ def _signature(op: Any, args: tuple, kwargs: dict) -> tuple[list, Any, tuple, tu
                 sig.append(("R", type(x), repr(x)))
     key = (op, spec, tuple(sig), runtime())
     return leaves, spec, key, tuple(strides)
+
+
+def op_key(key: tuple, nts: tuple[int, ...] = ()) -> OpKey:
+    """The one-op kernel cache's key (``lowering.loading.OpKey``: plain data, no torch object)
+    of a card key of :func:`_signature` (op, argument tree, argument signature, card) and the
+    inputs the kernel reads transposed (``nts``)."""
+    op, spec, sig, rt = key
+    return OpKey(str(op), str(spec), tuple(_plain(e) for e in sig), rt, nts)
+
+
+def _plain(e: tuple) -> tuple:
+    """One argument's signature as plain data: dtypes by name, static values by their repr."""
+    kind = e[0]
+    if kind in ("T", "C"):
+        return (kind, e[1], str(e[2]).removeprefix("torch."))
+    if kind == "S":
+        return (kind, e[1].__name__)
+    return (kind, e[1].__name__, repr(e[2]) if kind == "V" else e[2])
 
 
 def _plan_for(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
@@ -413,12 +438,11 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
         plan.inputs = inputs
         nts = tuple(i for i, *_, nt in inputs if nt)
         gm = _one_op_graph(op, spec, leaves, ph, out, outs, nts, mode)
-        if nts:
-            key = (key, nts)
-        compiled = _compiled.get(key)  # another stride pattern may have compiled it
+        okey = op_key(key, nts)
+        compiled = OP_KERNELS.get(okey)  # another stride pattern may have compiled it
         if compiled is None:
             compiled = _compile(op, gm, spec, orig, inputs)
-            _compiled[key] = compiled
+            OP_KERNELS.put(okey, compiled)
         plan.compiled = compiled
     except DeviceOOMError:
         raise
@@ -531,7 +555,7 @@ def _try_card(op: Any, args: tuple, kwargs: dict) -> Any:
     plan, leaves = _cached_plan(op, args, kwargs)
     if plan.compiled is None:
         return None
-    return _launch(plan, leaves)
+    return _run_plan(plan, leaves)
 
 
 def _reason(op: Any, args: tuple, kwargs: dict) -> str | None:
@@ -610,7 +634,7 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
             return res
     plan, leaves = _cached_plan(op, args, kwargs)
     if plan.compiled is not None:
-        return _launch(plan, leaves)
+        return _run_plan(plan, leaves)
     if plan.host:
         with _lock:
             _counts["host_factories"] += 1
@@ -618,7 +642,9 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
     return _run_cpu(op, args, kwargs, reason=plan.reason)
 
 
-def _launch(plan: _Plan, leaves: list) -> Any:
+def _run_plan(plan: _Plan, leaves: list) -> Any:
+    """Launch the plan's kernel (``device_model.runtime.launch``) with the call's leaves as
+    its arguments; its results as spyre tensors."""
     operands: list[Any] = []
     temps = []
     pad = plan.pad
@@ -655,13 +681,24 @@ def _launch(plan: _Plan, leaves: list) -> Any:
         if pad is not None:
             _counts["padded_launches"] += 1
             _counts["padding_bytes"] += padding
-    # computed at the bucket's sizes: each result keeps them, its own size the tensor's (the
-    # host crops it when it reads it, the next kernel masks the rest)
-    shapes = [lay.shape for lay in pad[1]] if pad is not None else [None] * len(bufs)
-    res = [
-        st.from_card(b, dt, sd, shape)
-        for b, (dt, sd), shape in zip(bufs, plan.outs, shapes, strict=True)
-    ]
+    if pad is None:
+        results = plan.results
+        if results is None:
+            results = plan.results = [
+                st.card_result(b.layout, dt, sd, b.layout.shape)
+                for b, (dt, sd) in zip(bufs, plan.outs, strict=True)
+            ]
+        res = [
+            st.from_card(b, dt, sd, None, r)
+            for b, (dt, sd), r in zip(bufs, plan.outs, results, strict=True)
+        ]
+    else:
+        # computed at the bucket's sizes: each result keeps them, its own size the tensor's
+        # (the host crops it when it reads it, the next kernel masks the rest)
+        res = [
+            st.from_card(b, dt, sd, lay.shape)
+            for b, (dt, sd), lay in zip(bufs, plan.outs, pad[1], strict=True)
+        ]
     return res[0] if plan.single else tuple(res)
 
 

@@ -16,17 +16,9 @@ from typing import Any
 import torch
 
 from device_model.layout import TensorLayout
-from device_model.runtime import (
-    DeviceBuffer,
-    Executable,
-    check_fits,
-    copy_in,
-    copy_out,
-    launch,
-    runtime,
-)
+from device_model.runtime import DeviceBuffer, Executable, copy_in, copy_out, launch, runtime
+from lowering import loading
 from lowering.graph import Graph
-from lowering.pipeline import compile_graph
 
 from .storage import NAME, as_card_buffer, from_card_buffer, from_host, is_spyre, to_host
 
@@ -34,19 +26,11 @@ __all__ = ["load", "run_graph", "resident_parameter", "resident_stats"]
 
 
 def load(graph: Graph) -> Executable:
-    """Schedule ``graph`` for the current card and load it (its constants copied in).
-    DeviceOOMError before scheduling, and before anything is copied, when one of its tensors,
-    or its weights and inputs together, cannot fit the card's device memory."""
-    rt = runtime()
-    values = [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]
-    held = [*graph.inputs, *(v for v, _ in graph.consts)]
-    check_fits(
-        ((v.shape, v.dtype) for v in values),
-        rt,
-        together=((v.shape, v.dtype) for v in held),
-        what=f"{graph.name}: its weights and inputs together",
-    )
-    return Executable(compile_graph(graph, rt.card), rt)
+    """Schedule ``graph`` for the current card and load it (its constants copied in), with the
+    one fit check (``lowering.loading.check_fits``): DeviceOOMError before scheduling, and
+    before anything is copied, when one of its tensors, or its weights and inputs together,
+    cannot fit the card's device memory."""
+    return loading.load(graph, together="its weights and inputs")
 
 
 class _Resident:

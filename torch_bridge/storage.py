@@ -22,6 +22,7 @@ launch results back into spyre tensors, without a host round trip.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -35,6 +36,7 @@ import torch
 
 from device_model import runtime as card_runtime
 from device_model.layout import TensorLayout, layout_for, np_dtype
+from device_model.payload import State
 from device_model.runtime import DeviceBuffer, Runtime, runtime
 from lowering.from_fx import card_dtype
 
@@ -60,29 +62,54 @@ aten = torch.ops.aten
 # device memory: storages at simulated addresses
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CardResult:
+    """A launch result held on the card (its buffer's state: a card array or a pending run) as
+    torch sees it: the card ``layout`` it was computed in, the torch ``dtype``, the ``stride``
+    (None: contiguous), the storage's ``nbytes``, and the tensor's ``shape``, smaller than the
+    layout's where the result was computed at a size bucket and not cropped."""
+
+    layout: TensorLayout
+    dtype: torch.dtype
+    stride: tuple[int, ...] | None
+    nbytes: int
+    shape: tuple[int, ...]
+
+    def torch_bytes(self, data: np.ndarray) -> np.ndarray:
+        """The result's values (``data``, in :attr:`layout`) as the storage's flat bytes."""
+        return _torch_bytes(data, self.layout, self.dtype, self.stride, self.shape)
+
+
+def card_result(
+    layout: TensorLayout, dtype: torch.dtype, stride: tuple[int, ...] | None, shape: Sequence[int]
+) -> CardResult:
+    """The :class:`CardResult` of a ``shape`` tensor of ``dtype`` laid out by ``stride`` (None:
+    contiguous), computed in ``layout``."""
+    isz = dtype.itemsize
+    nbytes = math.prod(shape) * isz if stride is None else storage_nbytes(shape, stride, isz)
+    return CardResult(layout, dtype, stride, nbytes, tuple(shape))
+
+
 class _Region:
-    """One torch storage's device buffer, its payload and a CPU tensor over the payload.
+    """One torch storage: its device buffer, and torch's view of the buffer's contents.
 
-    A launch's result is *pending* until the host needs its bytes: the region keeps the card
-    array the kernel made (``pending``) and the next kernel reading the tensor takes that array
-    as it is, so a chain of eager ops never waits for the card. The first host access
-    (:attr:`payload`, :attr:`host`: a print, a CPU kernel, a copy) converts it to torch's bytes.
-    ``readers`` are results of launches still in flight that read the host bytes: host access
-    waits for them first (a CPU write never races a kernel's read)."""
+    The contents are the buffer's state (``device_model.payload``): torch's bytes on the host,
+    or a launch's result on the card (a card array or a pending run of the lazy trace) until
+    the host needs its bytes, with :attr:`pending` saying how it maps to torch's bytes. The next
+    kernel reading the tensor takes the result as it is, so a chain of eager ops never waits
+    for the card. The first host access (:attr:`payload`, :attr:`host`: a print, a CPU kernel, a
+    copy) materializes torch's bytes, after the launches in flight that read the old host bytes
+    (the buffer's readers) have finished (a CPU write never races a kernel's read)."""
 
-    __slots__ = ("buf", "_payload", "_host", "views", "pending", "readers", "ref")
+    __slots__ = ("buf", "_host", "views", "pending", "ref")
 
-    def __init__(self, buf: DeviceBuffer, payload: np.ndarray | None, pending: Any = None):
+    def __init__(self, buf: DeviceBuffer, pending: CardResult | None = None):
         self.buf = buf
-        self._payload = payload
         self._host: torch.Tensor | None = None
         #: (offset, layout) -> (buf.version, view): the card buffers of its tensors
         self.views: dict[tuple, tuple[int, DeviceBuffer]] = {}
-        #: (card array, its layout, torch dtype, strides or None, storage bytes, the tensor's
-        #: shape) of a result not yet on the host; the shape is smaller than the layout's where
-        #: the result was computed at a size bucket and not cropped
+        #: the result on the card, while its bytes are not on the host (else None)
         self.pending = pending
-        self.readers: list[Any] = []
         #: the weak reference to its torch storage whose callback frees it (_storage_at)
         self.ref: Any = None
 
@@ -97,33 +124,30 @@ class _Region:
     @property
     def nbytes(self) -> int:
         if self.pending is not None:
-            return self.pending[4]
-        return self._payload.nbytes
+            return self.pending.nbytes
+        return self.buf.payload().nbytes
+
+    def card_value(self) -> Any:
+        """The result on the card (a card array or a pending result), while :attr:`pending`."""
+        return self.buf.payload()
 
     def device_bytes(self) -> np.ndarray:
-        """The storage's bytes for a kernel to read (converted from a pending result; kernels
-        in flight that read them too are not waited for)."""
+        """The storage's bytes for a kernel to read (materialized from a result on the card;
+        kernels in flight that read them too are not waited for)."""
         if self.pending is not None:
             with _lock:
-                if self.pending is not None:
-                    arr, lay, dtype, stride, _, shape = self.pending
-                    self._payload = _torch_bytes(np.asarray(arr), lay, dtype, stride, shape)
+                pend = self.pending
+                if pend is not None:
+                    data = self.buf.materialize(pend.torch_bytes)
                     self.pending = None
                     self.views.clear()
-                    self.buf.store(self._payload)
-        return self._payload
-
-    def settle(self) -> None:
-        """Wait for the launches in flight that read the host bytes."""
-        readers = self.readers  # the list the device buffer shares: emptied in place
-        while readers:
-            readers.pop().block_until_ready()
+                    return data
+        return self.buf.payload()
 
     @property
     def payload(self) -> np.ndarray:
         """The bytes, for the host (waits for the card where it must)."""
-        if self.readers:
-            self.settle()
+        self.buf.settle_readers()
         return self.device_bytes()
 
     @property
@@ -139,14 +163,15 @@ _regions: dict[int, _Region] = {}
 
 
 def wait_all() -> None:
-    """Wait for every launch in flight: each pending result and each read of host bytes."""
+    """Wait for every launch in flight: each result on the card and each read of host bytes."""
     with _lock:
         regions = list(_regions.values())
     for r in regions:
-        pend = r.pending
-        if pend is not None:
-            pend[0].block_until_ready()
-        r.settle()
+        if r.pending is not None:
+            v = r.buf.state.value
+            if v is not None:
+                v.block_until_ready()
+        r.buf.settle_readers()
 
 
 @functools.cache
@@ -186,12 +211,12 @@ def _release(ptr: int, region: _Region, _ref: Any = None) -> None:
 
 
 def _storage_at(
-    buf: DeviceBuffer, ptr: int, payload: np.ndarray | None, pending: Any = None
+    buf: DeviceBuffer, ptr: int, payload: np.ndarray | None, pending: CardResult | None = None
 ) -> torch.UntypedStorage:
-    region = _Region(buf, payload, pending)
+    region = _Region(buf, pending)
     if payload is not None:
-        buf.store(payload)
-    buf.readers = region.readers  # launches reading a view of it record themselves there
+        buf.store(payload, shared=True)  # torch's bytes: the host writes them in place
+    buf.track_readers()  # launches reading a view of it record themselves there
     with _lock:
         _regions[ptr] = region
     st = torch._C._construct_storage_from_data_pointer(ptr, device(), region.nbytes)
@@ -202,14 +227,19 @@ def _storage_at(
 
 
 def new_storage(
-    nbytes: int, payload: np.ndarray | None = None, pending: Any = None
+    nbytes: int,
+    payload: np.ndarray | None = None,
+    pending: CardResult | None = None,
+    state: State | None = None,
 ) -> torch.UntypedStorage:
-    """A fresh storage of ``nbytes`` in device memory (zero-filled unless ``payload`` or a
-    pending result is given)."""
+    """A fresh storage of ``nbytes`` in device memory (zero-filled unless ``payload`` is given,
+    or a result on the card: its buffer ``state`` and how torch sees it, ``pending``)."""
     rt = runtime()
     with rt.lock, _lock:
         buf, ptr = _alloc(rt, nbytes)
-        if payload is None and pending is None:
+        if pending is not None:
+            buf.state = state
+        elif payload is None:
             payload = np.zeros(nbytes, np.uint8)
         return _storage_at(buf, ptr, payload, pending)
 
@@ -328,20 +358,23 @@ def copy_on_card(dst: torch.Tensor, src: torch.Tensor) -> bool:
     pend = rs.pending
     if (
         pend is None
-        or pend[3] is not None
-        or pend[2] != src.dtype
+        or pend.stride is not None
+        or pend.dtype != src.dtype
         or rs is rd
         or src.storage_offset() != 0
         or dst.storage_offset() != 0
         or not src.is_contiguous()
         or not dst.is_contiguous()
-        or math.prod(pend[5]) != src.numel()
-        or rd.nbytes != pend[4]
+        or math.prod(pend.shape) != src.numel()
+        or rd.nbytes != pend.nbytes
     ):
         return False
     with _lock:
-        # the old bytes stay as they are for kernels in flight that read them
-        rd.pending, rd._payload, rd._host = pend, None, None
+        if rs.pending is not pend:  # the host took the result's bytes meanwhile
+            return False
+        # the result's state, as the launch made it; the old bytes stay as they are for kernels
+        # in flight that read them
+        rd.buf.state, rd.pending, rd._host = rs.buf.state, pend, None
         rd.views.clear()
     device_step("copy", dst, [src])
     return True
@@ -471,11 +504,11 @@ def card_operand(
         return _operand(r, t, layout, _host_gathered(t, layout, fill)), None
     src, shares = _view_array(r, key[0])
     if key[0][0] in _SAME_BYTES:  # the kernel reads the result's own bytes: no re-layout step
-        return DeviceBuffer.view(r.buf, layout, (src, sizes), shares_host=False), key
+        return DeviceBuffer.view(r.buf, layout, (src, sizes), shared=False), key
     buf = _operand(r, t, layout, None)  # the gathered operand's place in device memory
-    if shares:  # the kernel reads the storage's host bytes: their writer waits for it
-        buf.readers = r.readers
-    return DeviceBuffer.view(buf, layout, (src, sizes), shares_host=shares, owns=True), key
+    # where the kernel reads the storage's host bytes, their writer waits for it (r's readers)
+    view = DeviceBuffer.view(buf, layout, (src, sizes), shared=shares, owns=True, readers_of=r.buf)
+    return view, key
 
 
 #: view sources whose gather leaves the bytes where they are on the card (padding masked, or
@@ -505,8 +538,8 @@ def _view_source(
     bytes; ``flat`` when ``t`` is a contiguous run of them)."""
     pend = r.pending
     shape, off = tuple(t.shape), t.storage_offset()
-    if pend is not None and pend[2] == t.dtype:
-        lay, stride, dims = pend[1], pend[3], tuple(pend[5])
+    if pend is not None and pend.dtype == t.dtype:
+        lay, stride, dims = pend.layout, pend.stride, pend.shape
         whole = stride is None and off == 0 and t.is_contiguous()
         if lay == layout and shape == dims and off == 0 and (whole or _same_strides(t, stride)):
             # the whole result at the bucket the kernel runs at, smaller than it (else it is
@@ -555,7 +588,7 @@ def _view_array(r: _Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
     """The card array :func:`_view_source` names, and whether it is the host's memory (the
     storage's bytes, as they are; a padded copy of them is not). Cached until written."""
     if source[0] not in _BYTES:
-        return r.pending[0], False
+        return r.card_value(), False
     key = ("bytes", source[2])
     hit = r.views.get(key)
     if hit is not None and hit[0] == r.buf.version:
@@ -589,14 +622,14 @@ def _gathered(r: _Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) 
     """``t`` in ``layout`` as a card array gathered on the card (by the program
     :func:`card_operand` folds into a kernel, run alone) from its pending result or its
     storage's bytes, so the host does not wait; a read of host bytes is recorded in the
-    region's ``readers``."""
+    buffer's readers."""
     key, sizes = _view_key(r, t, layout, fill)
     if t.numel() == 0 or not _relayout().worth_compiling(("view", *key)):
         return _host_gathered(t, layout, fill)
     src, shares = _view_array(r, key[0])
     out = _relayout().gather_view(card_runtime.card_array(src), sizes, key)
     if shares:
-        r.readers.append(out)
+        r.buf.add_reader(out)
     return out
 
 
@@ -634,18 +667,18 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     pend = r.pending
     if pend is not None:
         if (
-            pend[1] == layout
+            pend.layout == layout
             and t.storage_offset() == 0
-            and pend[2] == t.dtype
+            and pend.dtype == t.dtype
             and tuple(t.shape) == layout.shape
-            and ((pend[3] is None and t.is_contiguous()) or _same_strides(t, pend[3]))
+            and ((pend.stride is None and t.is_contiguous()) or _same_strides(t, pend.stride))
         ):  # the launch's result as it is (by strides too: the card array is in its logical
             # order): no wait, no copy
             key = (0, layout)
             hit = r.views.get(key)
             if hit is not None and hit[0] == r.buf.version:
                 return hit[1]
-            view = DeviceBuffer.view(r.buf, layout, pend[0], shares_host=False)
+            view = DeviceBuffer.view(r.buf, layout, r.card_value(), shared=False)
             r.views[key] = (r.buf.version, view)
             return view
         return None  # gathered from the pending result (:func:`_gathered`)
@@ -700,23 +733,23 @@ def from_card(
     dtype: torch.dtype | None,
     stride: tuple[int, ...] | None,
     shape: tuple[int, ...] | None = None,
+    result: CardResult | None = None,
 ) -> torch.Tensor:
     """:func:`from_card_buffer` with the torch dtype and strides given. A card array result
     stays pending (the host does not wait for it) until the host needs its bytes. ``shape``:
     the tensor's, where the buffer holds it at a larger size (a size bucket's result: the rest
-    is cropped when the host reads it, and masked by the kernels that read it)."""
+    is cropped when the host reads it, and masked by the kernels that read it). ``result``: the
+    :class:`CardResult` of these arguments where the caller keeps one (an eager plan's
+    output), made here otherwise."""
     lay = buf.layout
-    shape = lay.shape if shape is None else tuple(shape)
-    dtype = dtype or _TORCH_OF_CARD[lay.dtype]
     data = buf.payload()
-    if stride is None:  # contiguous (the common result): its bytes are its elements'
-        st_stride, nbytes = contig_strides(shape), math.prod(shape) * dtype.itemsize
-    else:
-        st_stride, nbytes = stride, storage_nbytes(shape, stride, dtype.itemsize)
-    if isinstance(data, np.ndarray):
-        payload, pending = _torch_bytes(data, lay, dtype, stride, shape), None
-    else:
-        payload, pending = None, (data, lay, dtype, stride, nbytes, shape)
+    host = isinstance(data, np.ndarray)
+    if result is None or host:
+        shape = lay.shape if shape is None else tuple(shape)
+        result = card_result(lay, dtype or _TORCH_OF_CARD[lay.dtype], stride, shape)
+    shape, dtype, nbytes = result.shape, result.dtype, result.nbytes
+    st_stride = contig_strides(shape) if stride is None else stride
+    payload, pending = (result.torch_bytes(data), None) if host else (None, result)
     rt = buf.rt
     base = buf.addr
     with rt.lock, _lock:
@@ -730,7 +763,7 @@ def from_card(
         if fits:  # the buffer's region becomes the storage
             st = _storage_at(buf, base, payload, pending)
     if not fits:
-        st = new_storage(nbytes, payload, pending)
+        st = new_storage(nbytes, payload, pending, buf.state)
         buf.delete()
     return _tensor_on(st, dtype, shape, st_stride)
 
