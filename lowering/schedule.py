@@ -9,8 +9,10 @@ first of them and forwarded over the ring to the rest. A plan that does not fit 
 emitted: the tiler splits further (a reduction whose output rows cannot be tiled finely enough
 writes one element per stick to a temp, then packs it).
 
-When no tiling in whole blocks fits, the general tiling takes over (:mod:`lowering.tile_map`,
-:mod:`lowering.tile_moves`; shared helpers in :mod:`lowering.tiling`): every dim of every op may
+Each op kind has its tiler (:mod:`lowering.tile_map`, ``tile_matmul``, ``tile_gather``,
+``tile_reshape``, ``tile_concat``, entered in :data:`PLANNERS`; their shared interface is
+:mod:`lowering.tiling`), and each tries the same tiers in order: whole blocks, then the general
+tiling (ragged blocks), then single buffering. In the general tiling every dim of every op may
 be cut, the stick dim and the reduced axis included, in blocks that need not divide it (the last
 block is ragged); a slice, a strided slice or a shifted input of a concatenation is read in
 windows of the input; a reduction too long for the scratchpad (sum/max/min/prod/argmax/argmin/
