@@ -137,8 +137,8 @@ def _whole_blocks(ctx: tiling.TilingContext, n: Node) -> tuple[list, list, list,
 def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -> Stage | None:
     """A matmul's stage in whole blocks (M rows dividing M, N and K in whole sticks dividing
     them), the estimator's best few timed by the timing model (:func:`_pick_matmul`); the
-    search is done once per signature. TilingError when none fits; with ``dry``, None once
-    one does."""
+    search is done once per signature. TilingError when none fits; with ``dry``, None as soon
+    as one tiling fits (nothing is estimated or built)."""
     key = _matmul_key(ctx, n)
     known = _matmul_choices.get(key) if key is not None else None
     a, b = n.inputs[:2]
@@ -178,6 +178,8 @@ def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -
         )
         if plan > ctx.cap:
             continue
+        if dry:  # the question is only whether one fits
+            return None
         per_step_tiles = min(ntiles, ctx.ncores)
         comp = 2 * tm * tn * tkp / card.pe_flops_sustained_per_core + tm * tkp * pro_s
         # the tiles of a step: N fastest (one lhs block shared, multicast) or, when M splits,
@@ -207,8 +209,6 @@ def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -
             f"spyre: matmul {a.shape}x{b.shape} cannot be tiled into the usable scratchpad "
             f"({ctx.cap} B per core)" + (f"\n  at: {n.source}" if n.source else "")
         )
-    if dry:
-        return None
 
     def build(tm: int, tn: int, tno: int, tk: int, m_inner: bool) -> Stage:
         gm, gn, gk = M // tm, Np // tn, K // tk
