@@ -160,6 +160,9 @@ class _Region:
 
 #: storage data pointer -> its region (live torch storages only)
 _regions: dict[int, _Region] = {}
+#: storage data pointer of a previous card's live storage -> blocks of later cards kept at that
+#: address so torch never sees one pointer twice; freed when that storage dies
+_shadowed: dict[int, list[tuple[Runtime, int]]] = {}
 
 
 def wait_all() -> None:
@@ -185,7 +188,7 @@ def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
 
     Address 0 is torch's null pointer: such a region takes one more alignment unit and its data
     starts there. An address a storage of a previous card (before ``set_card``) still uses is
-    kept allocated (never handed to torch twice) and another is taken.
+    kept allocated (never handed to torch twice) until that storage dies, and another is taken.
     """
     mem = rt.memory
     while True:
@@ -199,6 +202,7 @@ def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
         if ptr not in _regions:
             return DeviceBuffer(rt, base, nbytes), ptr
         # a tensor of a previous card lives at this address: keep the block, take another
+        _shadowed.setdefault(ptr, []).append((rt, base))
 
 
 def _release(ptr: int, region: _Region, _ref: Any = None) -> None:
@@ -206,6 +210,9 @@ def _release(ptr: int, region: _Region, _ref: Any = None) -> None:
     with _lock:
         if _regions.get(ptr) is region:
             del _regions[ptr]
+        kept = _shadowed.pop(ptr, [])
+    for rt, base in kept:  # the address is free for torch again: so are the blocks kept there
+        rt.memory.free(base)
     region.ref = None  # the reference and its callback held the region: they go now
     region.buf.delete()
 
