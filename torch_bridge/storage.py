@@ -11,9 +11,6 @@ writable, flat 1-D ``numpy.uint8`` array of the storage's bytes, in torch's own 
 logical, unpadded bytes); views are torch's view metadata (sizes, strides, offset) over that
 storage and never copy. The buffer is freed when the storage dies.
 
-Address 0 is torch's null pointer: a storage whose region would start at 0 takes one more
-alignment unit and starts one stick in (its data pointer is still an address inside its region).
-
 Every movement of data is a step on the current stream (``device_model.runtime``): copies in
 and out over PCIe, device-side copies at the device-memory bandwidth. :func:`as_card_buffer` and
 :func:`from_card_buffer` turn spyre tensors into the stick-layout buffers a launch takes and
@@ -160,8 +157,7 @@ class _Region:
 
 #: storage data pointer -> its region (live torch storages only)
 _regions: dict[int, _Region] = {}
-#: storage data pointer of a previous card's live storage -> blocks of later cards kept at that
-#: address so torch never sees one pointer twice; freed when that storage dies
+#: address of a previous card's live storage -> later cards' blocks kept there (see _alloc)
 _shadowed: dict[int, list[tuple[Runtime, int]]] = {}
 
 
@@ -186,10 +182,9 @@ def device() -> torch.device:
 def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
     """(buffer, data pointer) of a new region of at least ``nbytes`` for a torch storage.
 
-    Address 0 is torch's null pointer: such a region takes one more alignment unit and its data
-    starts there. An address a storage of a previous card (before ``set_card``) still uses is
-    kept allocated (never handed to torch twice) until that storage dies, and another is taken.
-    """
+    Address 0 is torch's null pointer: a region there takes one more alignment unit and its data
+    starts one stick in. An address a previous card's live storage holds is kept allocated until
+    that storage dies (torch never sees one pointer twice), and another is taken."""
     mem = rt.memory
     while True:
         base = mem.alloc(nbytes, tag="torch")
@@ -201,7 +196,6 @@ def _alloc(rt: Runtime, nbytes: int) -> tuple[DeviceBuffer, int]:
             ptr = base
         if ptr not in _regions:
             return DeviceBuffer(rt, base, nbytes), ptr
-        # a tensor of a previous card lives at this address: keep the block, take another
         _shadowed.setdefault(ptr, []).append((rt, base))
 
 
