@@ -540,11 +540,11 @@ def _map_finish(cx: _StepCtx, t: Any, stores: Any) -> jax.Array:
 
 
 def _map_carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
-    """One step of a split cumsum: the block's running sums plus the carry into the output."""
+    """One step of a split scan (cumsum...): the block's running results and the carry."""
     bufs, body = cx.bufs, cx.stage.step.body
     local = _map_part(cx, t, kpos)
     carry = None if first is True else bufs.read("acc", 0)
-    out, carry = ops.cumsum_carry(jnp, local, carry, first, cx.stage.step.split)
+    out, carry = ops.scan_carry(jnp, body.reduce, local, carry, first, cx.stage.step.split)
     bufs.write("acc", 0, carry)
     cx.write_out(t, ops.narrow(jnp, out, body.out_dtype, cx.dl16))
 

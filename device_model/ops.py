@@ -41,7 +41,7 @@ __all__ = [
     "run_map",
     "combine_partial",
     "finish_partial",
-    "cumsum_carry",
+    "scan_carry",
     "reduce_identity",
     "identity_value",
     "run_concat",
@@ -286,6 +286,22 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "erfc": (lambda xp, a, p: _erfc(xp, a), 1),
     "sin": (lambda xp, a, p: xp.sin(a), 1),
     "cos": (lambda xp, a, p: xp.cos(a), 1),
+    # trigonometric and hyperbolic functions and their inverses, the cube root: by NumPy's name
+    **{
+        op: (lambda xp, a, p, f=f: getattr(xp, f)(a), 1)
+        for op, f in (
+            ("tan", "tan"),
+            ("asin", "arcsin"),
+            ("acos", "arccos"),
+            ("atan", "arctan"),
+            ("sinh", "sinh"),
+            ("cosh", "cosh"),
+            ("asinh", "arcsinh"),
+            ("acosh", "arccosh"),
+            ("atanh", "arctanh"),
+            ("cbrt", "cbrt"),
+        )
+    },
     "square": (lambda xp, a, p: a * a, 1),
     "integer_pow": (lambda xp, a, p: _int_pow(xp, a, p), 1),
     "not": (lambda xp, a, p: ~a if a.dtype == np.bool_ else ~a, 1),
@@ -333,6 +349,16 @@ TRANSCENDENTAL = frozenset(
         "erfc",
         "sin",
         "cos",
+        "tan",
+        "asin",
+        "acos",
+        "atan",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+        "cbrt",
         "pow",
         "atan2",
         "div",
@@ -506,7 +532,8 @@ def _partial(
     """One step of a split reduction (:class:`SplitReduce`): the reduction of this block of the
     split axis (block ``coord``; elements past the extent masked to the identity). sum, prod,
     max, min: ``[C, *kept]``; argmax/argmin: ``(values, indices)``, the indices counted from
-    the start of the axis; cumsum: the block's own running sums ``[C, *space_block]``."""
+    the start of the axis; a scan (cumsum...): the block's own running results
+    ``[C, *space_block]``."""
     kind = body.reduce
     valid = _split_mask(xp, split, space_block[split.axis], r.ndim, coord)
     fill = reduce_identity(kind, r.dtype)
@@ -548,18 +575,19 @@ def finish_partial(kind: str, acc: Any) -> Any:
     return acc[1] if REDUCTIONS[kind].index_of else acc
 
 
-def cumsum_carry(xp: Any, local: Any, carry: Any, first: Any, split: SplitReduce) -> Any:
-    """One block of a split cumsum: ``(output block, new carry)``. The output is the block's
-    own running sums plus the carry (the total of the blocks before it in the scan's
-    direction; none on the ``first`` block); the new carry is the output at the block's far
-    edge (kept with size 1 along the axis)."""
+def scan_carry(xp: Any, kind: str, local: Any, carry: Any, first: Any, split: SplitReduce) -> Any:
+    """One block of a split running reduction (cumsum, cummax...): ``(output block, new
+    carry)``. The output is the block's own running results combined with the carry (the
+    result of the blocks before it in the scan's direction; none on the ``first`` block); the
+    new carry is the output at the block's far edge (kept with size 1 along the axis)."""
     a = 1 + split.axis
+    combine = REDUCTIONS[kind].combine
     if first is True:
         out = local
     elif first is False:
-        out = local + carry
+        out = combine(xp, carry, local)
     else:
-        out = xp.where(first, local, local + carry)
+        out = xp.where(first, local, combine(xp, carry, local))
     n = out.shape[a]
     edge = 0 if split.reverse else n - 1
     idx = [slice(None)] * out.ndim

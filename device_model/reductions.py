@@ -28,6 +28,14 @@ class Reduce(StrEnum):
     ARGMIN = "argmin"
     CUMSUM = "cumsum"
     CUMSUM_REV = "cumsum_rev"
+    CUMPROD = "cumprod"
+    CUMPROD_REV = "cumprod_rev"
+    CUMMAX = "cummax"
+    CUMMAX_REV = "cummax_rev"
+    CUMMIN = "cummin"
+    CUMMIN_REV = "cummin_rev"
+    CUMLOGSUMEXP = "cumlogsumexp"
+    CUMLOGSUMEXP_REV = "cumlogsumexp_rev"
 
 
 def _whole(name: str, typed: bool = True) -> Callable[[Any, Any, tuple], Any]:
@@ -50,13 +58,30 @@ def _arg(name: str) -> Callable[[Any, Any, tuple], Any]:
     return red
 
 
-def _cum(reverse: bool) -> Callable[[Any, Any, tuple], Any]:
+#: a running reduction's NumPy ufunc (its ``accumulate``) and the ``jax.lax`` function
+_CUM = {
+    "sum": ("add", "cumsum"),
+    "prod": ("multiply", "cumprod"),
+    "max": ("maximum", "cummax"),
+    "min": ("minimum", "cummin"),
+    "logsumexp": ("logaddexp", "cumlogsumexp"),
+}
+
+
+def _cum(op: str, reverse: bool) -> Callable[[Any, Any, tuple], Any]:
+    """The running ``op`` of ``x`` ``[C, *space]`` along one space axis, in ``x``'s dtype."""
+    ufunc, lax_fn = _CUM[op]
+
     def red(xp: Any, x: Any, axes: tuple[int, ...]) -> Any:
         (a,) = axes
         a += 1
-        if reverse:
-            return xp.flip(xp.cumsum(xp.flip(x, axis=a), axis=a, dtype=x.dtype), axis=a)
-        return xp.cumsum(x, axis=a, dtype=x.dtype)
+        if xp is np:
+            y = np.flip(x, axis=a) if reverse else x
+            r = getattr(np, ufunc).accumulate(y, axis=a).astype(x.dtype)
+            return np.flip(r, axis=a) if reverse else r
+        from jax import lax  # the JAX executor's path: lax's cumulative ops
+
+        return getattr(lax, lax_fn)(x, axis=a, reverse=reverse)
 
     return red
 
@@ -69,9 +94,10 @@ class Reduction:
     the integer minimum, False) or ``highest``; padding and masked elements take it.
     ``whole(xp, x, axes)``: the reduction of a ``[C, *space]`` tile over space ``axes``.
     ``combine(xp, acc, part)``: two partial results into one (a reduction split across the
-    steps of a stage keeps one accumulator); None for an index or a scan, which keep
-    their own state. ``index_of``: an argmax-like reduction gives the int32 index of the
-    element the ``index_of`` reduction picks (the first, on ties; its accumulator is a pair).
+    steps of a stage keeps one accumulator; a scan merges the carry from the blocks before into
+    a block's running results); None for an index, which keeps a value/index pair.
+    ``index_of``: an argmax-like reduction gives the int32 index of the element the
+    ``index_of`` reduction picks (the first, on ties; its accumulator is a pair).
     ``scan``: the result keeps the input's shape (a running result along one axis; split
     across steps, a carry passes from block to block), ``reverse`` from the far end.
     ``one_axis``: it reduces exactly one axis.
@@ -118,17 +144,42 @@ def identity_value(identity: str, dtype: Any) -> Any:
     return dt.type(-np.inf if low else np.inf)
 
 
+def _max(xp: Any, a: Any, b: Any) -> Any:
+    return xp.maximum(a, b)
+
+
+def _min(xp: Any, a: Any, b: Any) -> Any:
+    return xp.minimum(a, b)
+
+
+def _scans(fwd: Reduce, rev: Reduce, op: str, identity: str, combine: Callable) -> tuple:
+    """A running reduction's two rows: from the start of the axis and from its end."""
+    return (
+        Reduction(fwd, identity, _cum(op, False), combine, scan=True),
+        Reduction(rev, identity, _cum(op, True), combine, scan=True, reverse=True),
+    )
+
+
 #: every reduction kind -> what it is
 REDUCTIONS: dict[str, Reduction] = {
     r.kind: r
     for r in (
         Reduction(Reduce.SUM, "zero", _whole("sum"), lambda xp, a, b: a + b),
         Reduction(Reduce.PROD, "one", _whole("prod"), lambda xp, a, b: a * b),
-        Reduction(Reduce.MAX, "lowest", _whole("max", False), lambda xp, a, b: xp.maximum(a, b)),
-        Reduction(Reduce.MIN, "highest", _whole("min", False), lambda xp, a, b: xp.minimum(a, b)),
+        Reduction(Reduce.MAX, "lowest", _whole("max", False), _max),
+        Reduction(Reduce.MIN, "highest", _whole("min", False), _min),
         Reduction(Reduce.ARGMAX, "lowest", _arg("argmax"), index_of="max"),
         Reduction(Reduce.ARGMIN, "highest", _arg("argmin"), index_of="min"),
-        Reduction(Reduce.CUMSUM, "zero", _cum(False), scan=True),
-        Reduction(Reduce.CUMSUM_REV, "zero", _cum(True), scan=True, reverse=True),
+        *_scans(Reduce.CUMSUM, Reduce.CUMSUM_REV, "sum", "zero", lambda xp, a, b: a + b),
+        *_scans(Reduce.CUMPROD, Reduce.CUMPROD_REV, "prod", "one", lambda xp, a, b: a * b),
+        *_scans(Reduce.CUMMAX, Reduce.CUMMAX_REV, "max", "lowest", _max),
+        *_scans(Reduce.CUMMIN, Reduce.CUMMIN_REV, "min", "highest", _min),
+        *_scans(
+            Reduce.CUMLOGSUMEXP,
+            Reduce.CUMLOGSUMEXP_REV,
+            "logsumexp",
+            "lowest",
+            lambda xp, a, b: xp.logaddexp(a, b),
+        ),
     )
 }

@@ -225,7 +225,7 @@ def _map(cx: _Core, kpos: int) -> None:
     first, last = bool(cx.stage.first[cx.t]), bool(cx.stage.last[cx.t])
     if body.reduction.scan:
         carry = None if first else sp.read("acc", 0)[None]
-        res, carry = ops.cumsum_carry(np, part, carry, first, split)
+        res, carry = ops.scan_carry(np, body.reduce, part, carry, first, split)
         sp.write("acc", 0, carry[0])
         cx.write(ops.narrow(np, res, body.out_dtype, cx.dl16))
         return

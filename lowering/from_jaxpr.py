@@ -260,6 +260,8 @@ _UNARY = {
     "erfc": "erfc",
     "sin": "sin",
     "cos": "cos",
+    **{n: n for n in ("tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh")},
+    "cbrt": "cbrt",
     "square": "square",
     "not": "not",
     "is_finite": "is_finite",
@@ -570,10 +572,10 @@ RULES["reduce_or"] = _bool_reduce_rule("max")
 RULES["reduce_and"] = _bool_reduce_rule("min")
 
 
-@rule("cumsum")
-def _cumsum(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+@rule("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def _cumulative(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, dt = _aval(eqn.outvars[0])
-    kind = "cumsum_rev" if eqn.params.get("reverse") else "cumsum"
+    kind = eqn.primitive.name + ("_rev" if eqn.params.get("reverse") else "")
     return [b.emit("reduce", [args[0]], shape, dt, kind=kind, axes=(int(eqn.params["axis"]),))]
 
 

@@ -236,14 +236,44 @@ def _any(b: Builder, node: torch.fx.Node, x: Var, dim: Any = None, keepdim: bool
     return b.elementwise("gt", [r, Lit(0, "int32")], r.shape, "bool")
 
 
-@rule(aten.cumsum.default)
-def _cumsum(b: Builder, node: torch.fx.Node, x: Var, dim: int, **kw: Any) -> Var:
+_CUMULATIVE = {
+    aten.cumsum.default: "cumsum",
+    aten.cumprod.default: "cumprod",
+    aten.logcumsumexp.default: "cumlogsumexp",
+    aten.cummax.default: "cummax",
+    aten.cummin.default: "cummin",
+}
+
+
+@rule(*_CUMULATIVE)
+def _cumulative(b: Builder, node: torch.fx.Node, x: Var, dim: int, **kw: Any) -> Any:
     shape, dt = result(node)
-    if not x.shape:  # the running sum of one element
-        return convert(b, x, dt)
-    return b.emit(
-        "reduce", [convert(b, x, dt)], shape, dt, kind="cumsum", axes=(norm_dim(dim, len(x.shape)),)
+    kind = _CUMULATIVE[node.target]
+    y = convert(b, x, dt)
+    if x.shape:  # (the running result of one element is itself)
+        y = b.emit("reduce", [y], shape, dt, kind=kind, axes=(norm_dim(dim, len(x.shape)),))
+    if kind not in ("cummax", "cummin"):
+        return y
+    return (y, _cum_index(b, x, y, norm_dim(dim, len(x.shape)) if x.shape else 0))
+
+
+def _cum_index(b: Builder, x: Var, y: Var, d: int) -> Var:
+    """cummax/cummin's indices: at each position the last one so far that holds the running
+    result (torch's choice on ties). Such a position holds its own running result too, so it
+    is the running max of the positions where ``x`` equals its running result."""
+    if not x.shape:
+        return b.const(np.zeros((), np.int32), "int32")
+    io = np.arange(x.shape[d], dtype=np.int32).reshape(
+        [-1 if j == d else 1 for j in range(len(x.shape))]
     )
+    pos = b.const(np.broadcast_to(io, x.shape).astype(np.int32), "int32")
+    xv = convert(b, x, y.dtype)
+    hit = b.elementwise("eq", [xv, y], x.shape, "bool")
+    if y.dtype.startswith(("float", "bfloat")):  # a NaN is the running result from there on
+        nan = b.elementwise("ne", [xv, xv], x.shape, "bool")
+        hit = b.elementwise("or", [hit, nan], x.shape, "bool")
+    at = b.elementwise("select_n", [hit, Lit(0, "int32"), pos], x.shape, "int32")
+    return b.emit("reduce", [at], x.shape, "int32", kind="cummax", axes=(d,))
 
 
 @rule(aten.var.correction, aten.var.dim)

@@ -23,6 +23,16 @@ _NUMPY = {
     "argmin": lambda x, a: np.argmin(x, axis=a[0]),
     "cumsum": lambda x, a: np.cumsum(x, axis=a[0]),
     "cumsum_rev": lambda x, a: np.flip(np.cumsum(np.flip(x, a[0]), axis=a[0]), a[0]),
+    "cumprod": lambda x, a: np.cumprod(x, axis=a[0]),
+    "cumprod_rev": lambda x, a: np.flip(np.cumprod(np.flip(x, a[0]), axis=a[0]), a[0]),
+    "cummax": lambda x, a: np.maximum.accumulate(x, axis=a[0]),
+    "cummax_rev": lambda x, a: np.flip(np.maximum.accumulate(np.flip(x, a[0]), a[0]), a[0]),
+    "cummin": lambda x, a: np.minimum.accumulate(x, axis=a[0]),
+    "cummin_rev": lambda x, a: np.flip(np.minimum.accumulate(np.flip(x, a[0]), a[0]), a[0]),
+    "cumlogsumexp": lambda x, a: np.log(np.cumsum(np.exp(x), axis=a[0])),
+    "cumlogsumexp_rev": lambda x, a: np.flip(
+        np.log(np.cumsum(np.exp(np.flip(x, a[0])), axis=a[0])), a[0]
+    ),
 }
 
 

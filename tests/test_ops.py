@@ -36,6 +36,10 @@ def _arr(shape, dtype, kind: str = "normal", seed: int = 0) -> np.ndarray:
         x = r.uniform(0.25, 4.0, shape)
     elif kind == "nonzero":  # |x| in [0.5, 2] (denominators)
         x = r.uniform(0.5, 2.0, shape) * r.choice([-1.0, 1.0], shape)
+    elif kind == "unit":  # inside (-1, 1): arcsin, arctanh; tan away from its poles
+        x = r.uniform(-0.95, 0.95, shape)
+    elif kind == "ge1":  # arccosh's domain
+        x = r.uniform(1.0, 4.0, shape)
     elif kind == "small":  # exponents of pow
         x = r.uniform(-2.0, 2.0, shape)
     elif kind == "int":
@@ -85,6 +89,16 @@ UNARY = {
     "sin": (jnp.sin, "normal", 1),
     "cos": (jnp.cos, "normal", 1),
     "floor": (jnp.floor, "normal", 1),
+    "tan": (jnp.tan, "unit", 1),
+    "arcsin": (jnp.arcsin, "unit", 1),
+    "arccos": (jnp.arccos, "unit", 1),
+    "arctan": (jnp.arctan, "normal", 1),
+    "sinh": (jnp.sinh, "normal", 1),
+    "cosh": (jnp.cosh, "normal", 1),
+    "arcsinh": (jnp.arcsinh, "normal", 1),
+    "arccosh": (jnp.arccosh, "ge1", 1),
+    "arctanh": (jnp.arctanh, "unit", 1),
+    "cbrt": (jnp.cbrt, "normal", 1),
 }
 
 _UNARY_XFAIL: dict[str, str] = {}
@@ -315,6 +329,39 @@ def test_cumsum(dtype, axis, reverse):
     x = _arr((63, 100), dtype, seed=19)
     k = x.shape[axis]
     _check(lambda a: lax.cumsum(a, axis=axis, reverse=reverse), x, k=k)
+
+
+_RUNNING = {
+    "cumprod": lax.cumprod,
+    "cummax": lax.cummax,
+    "cummin": lax.cummin,
+    "cumlogsumexp": lax.cumlogsumexp,
+}
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "rev"])
+@pytest.mark.parametrize("name", list(_RUNNING))
+@pytest.mark.parametrize("dtype", [F16, F32], ids=["f16", "f32"])
+def test_running_reductions(name, dtype, reverse):
+    # cumprod of values near 1 stays in range over 100 steps; the others take any value
+    x = _arr((63, 100), dtype, "normal", seed=21)
+    if name == "cumprod":
+        x = (1 + x.astype(np.float32) / 20).astype(dtype)
+    f = _RUNNING[name]
+    for ax in (0, 1):
+        _check(lambda a, ax=ax: f(a, axis=ax, reverse=reverse), x, k=x.shape[ax])
+
+
+@pytest.mark.parametrize("name", list(_RUNNING))
+def test_running_reductions_split_across_steps(small_card, name):
+    # a scratchpad of 16 KiB per core splits the 3000-long axis into blocks: the carry from
+    # block to block combines by the kind's own rule (a product, a max...), both directions
+    small_card(scratchpad_bytes=16 * 1024, num_cores=4)
+    x = _arr((2, 3000), F32, "normal", seed=22)
+    if name == "cumprod":
+        x = (1 + x / 200).astype(F32)
+    for reverse in (False, True):
+        _check(lambda a, r=reverse: _RUNNING[name](a, axis=1, reverse=r), x, k=3000)
 
 
 def test_cumsum_jnp_3d():

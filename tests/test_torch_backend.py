@@ -54,6 +54,15 @@ UNARY = {
     "erf": torch.erf,
     "sin": torch.sin,
     "cos": torch.cos,
+    "tan_unit": lambda x: torch.tan(torch.tanh(x)),
+    "asin_unit": lambda x: torch.asin(torch.tanh(x) * 0.95),
+    "acos_unit": lambda x: torch.acos(torch.tanh(x) * 0.95),
+    "atan": torch.atan,
+    "sinh": torch.sinh,
+    "cosh": torch.cosh,
+    "asinh": torch.asinh,
+    "acosh_ge1": lambda x: torch.acosh(x.abs() + 1),
+    "atanh_unit": lambda x: torch.atanh(torch.tanh(x) * 0.95),
     "relu": F.relu,
     "leaky_relu": lambda x: F.leaky_relu(x, 0.1),
     "gelu": F.gelu,
@@ -129,6 +138,10 @@ REDUCE = {
     "log_softmax": lambda x: torch.log_softmax(x, -1),
     "softmax_dim0": lambda x: torch.softmax(x, 0),
     "cumsum": lambda x: x.cumsum(-1),
+    "cumprod": lambda x: (1 + x / 20).cumprod(-1),
+    "logcumsumexp": lambda x: torch.logcumsumexp(x, -1),
+    "cummax_ties": lambda x: torch.cummax((x * 2).round(), -1),  # ties: torch's index
+    "cummin_dim0": lambda x: torch.cummin((x * 2).round(), 0),
     "any": lambda x: (x > 1.5).any(-1),
 }
 

@@ -491,13 +491,27 @@ def test_mixed_devices_raise():
     _close(xs * torch.tensor(3.0), x * 3.0)
 
 
+def test_running_reductions_run_on_the_device():
+    dev.reset_stats()
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 5.0, float("nan"), 4.0]])
+    for f in (torch.cummax, torch.cummin):
+        got, want = f(x.to("spyre"), 1), f(x, 1)
+        assert torch.equal(got.indices.cpu(), want.indices)  # ties and NaN as torch picks
+        torch.testing.assert_close(got.values.cpu(), want.values, equal_nan=True)
+    y = _rand((4, 10))
+    _close(torch.cumprod(1 + y.to("spyre") / 10, 1), torch.cumprod(1 + y / 10, 1))
+    _close(torch.logcumsumexp(y.to("spyre"), 0), torch.logcumsumexp(y, 0))
+    assert dev.eager_stats()["cpu_fallbacks"] == 0
+
+
 def test_unsupported_op_falls_back_with_warning():
     dev.reset_stats()
     x = _rand((4, 10))
-    with pytest.warns(SpyreFallbackWarning, match="cumprod"):
-        got = torch.cumprod(x.to("spyre"), 1)
-    _close(got, torch.cumprod(x, 1))
-    assert dev.fallback_stats() == {"aten.cumprod.default": 1}
+    # (a Bessel function of order one: no card kernel for it)
+    with pytest.warns(SpyreFallbackWarning, match="special_i1"):
+        got = torch.special.i1(x.to("spyre"))
+    _close(got, torch.special.i1(x))
+    assert dev.fallback_stats() == {"aten.special_i1.default": 1}
     with pytest.warns(SpyreFallbackWarning, match="float64"):
         d = torch.ones(3, dtype=torch.float64).to("spyre") * 2
     assert d.device.type == "spyre" and torch.equal(d.cpu(), torch.full((3,), 2.0).double())

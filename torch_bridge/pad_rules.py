@@ -105,7 +105,10 @@ RULES: dict[str, PadRule] = {
     "aten::mm": PadRule(_P.CONTRACTION, contract=(1, 0)),
     "aten::bmm": PadRule(_P.CONTRACTION, contract=(2, 1)),
     "aten::addmm": PadRule(_P.CONTRACTION, contract=(1, 0)),
-    "aten::cumsum": PadRule(_P.POSITIONAL),
+    **{
+        f"aten::{n}": PadRule(_P.POSITIONAL)
+        for n in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")
+    },
     "aten::tril": PadRule(_P.POSITIONAL),
     "aten::triu": PadRule(_P.POSITIONAL),
     "aten::embedding": PadRule(_P.POSITIONAL),
