@@ -84,6 +84,16 @@ class CardSpec:
             flight). Assumption: not published for the card; typical of PCIe peer-to-peer DMA
             between accelerators (1-3 us in public GPU measurements such as NVIDIA's
             ``p2pBandwidthLatencyTest``).
+        host_launch_s: 70 us, the host's CPU time to launch one compiled kernel. Public
+            (CARD.md: "host launch of one compiled kernel on the new stack: about 0.07 ms of
+            CPU time"). Charged where the stream waits for the host: between the enqueued
+            iterations of a loop whose body kernel is shorter, and after each value the host
+            reads back to decide (``device_model.hostprog``).
+        host_round_trip_s: 10 us for the host to learn that a kernel finished and read a scalar
+            it wrote (a loop's predicate, a branch's index), besides the ``copy_out`` of its
+            bytes over PCIe. Assumption: CARD.md has no figure for it; a completion interrupt
+            and a PCIe read take some microseconds on other accelerators. Each read back costs
+            this plus ``host_launch_s``.
         streams_per_priority: 32 streams of each priority besides the default stream 0: ids
             1-32 are low priority, 33-64 high. Public (torch-spyre streams; CARD.md).
         dl16_rounding: False. When True, every store of an fp16/bf16 tensor first rounds to
@@ -117,6 +127,8 @@ class CardSpec:
     relayout_bw: float = 116e9
     link_bw: float = 64e9
     link_latency_s: float = 2e-6
+    host_launch_s: float = 70e-6
+    host_round_trip_s: float = 10e-6
     streams_per_priority: int = 32
     dl16_rounding: bool = False
 

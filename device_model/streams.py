@@ -71,6 +71,7 @@ PIPELINE_OF = {
     "copy_out": "copy out",
     "record_event": None,
     "wait_event": None,
+    "host_sync": None,  # the stream waits for the host (a value read back, a launch)
 }
 
 

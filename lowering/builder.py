@@ -51,6 +51,15 @@ class Builder:
         self.nodes.append(Node(op, tuple(inputs), (out,), ps, self.source))
         return out
 
+    def emit_many(
+        self, op: str, inputs: list[Var], out_types: list[tuple[tuple[int, ...], str]], **kw: Any
+    ) -> list[Var]:
+        """A node of ``op`` with several outputs, one per ``(shape, dtype)``."""
+        ps = make_params(op, **kw)
+        outs = [Var(tuple(int(d) for d in sh), dt) for sh, dt in out_types]
+        self.nodes.append(Node(op, tuple(inputs), tuple(outs), ps, self.source))
+        return outs
+
     def const(self, value: Any, dtype: str | None = None) -> Var:
         arr = np.asarray(value)
         dt = dtype or dtype_name(arr.dtype)

@@ -19,6 +19,7 @@ from jax.extend import core as jcore
 
 from device_model.layout import SUPPORTED_DTYPES, check_dtype
 
+from . import indexing
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
 from .graph import Graph, Var
@@ -76,9 +77,11 @@ def user_source_line(source_info: Any) -> str:
 # the importer loop
 
 
-def from_jaxpr(closed: Any, name: str = "main") -> Graph:
-    """Import a ``ClosedJaxpr`` (from ``jax.make_jaxpr``) into a :class:`Graph`."""
+def from_jaxpr(closed: Any, name: str = "main", source: str = "") -> Graph:
+    """Import a ``ClosedJaxpr`` (from ``jax.make_jaxpr``) into a :class:`Graph`. ``source``:
+    the user line of equations that have none of their own (a loop body's, the loop's)."""
     b = Builder()
+    b.source = source
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = {}
     for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
@@ -664,3 +667,87 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
         fill_value=fill,
     )
     return [b.reshape(g, out_shape)]
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: control flow (each body a graph of its own: the host program's loops and branches)
+
+
+def _sub(b: Builder, closed: Any, name: str) -> Graph:
+    """A loop's or a branch's closed jaxpr as a graph (its constants its own)."""
+    return from_jaxpr(closed, name=name, source=b.source)
+
+
+def _vars(b: Builder, args: list[Any], invars: list[Any]) -> list[Var]:
+    return [
+        b.as_var(a, _aval(v)[0]) if isinstance(a, Lit) else a
+        for a, v in zip(args, invars, strict=True)
+    ]
+
+
+def _outs(eqn: Any) -> list[tuple[tuple[int, ...], str]]:
+    return [_aval(v) for v in eqn.outvars]
+
+
+@rule("scan")
+def _scan(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    p = eqn.params
+    length = int(p["length"])
+    unroll = p.get("unroll", 1)
+    unroll = length if unroll is True else max(1, int(unroll or 1))
+    return b.emit_many(
+        "scan",
+        _vars(b, args, eqn.invars),
+        _outs(eqn),
+        body=_sub(b, p["jaxpr"], "scan_body"),
+        length=length,
+        num_consts=int(p["num_consts"]),
+        num_carry=int(p["num_carry"]),
+        reverse=bool(p["reverse"]),
+        unroll=min(unroll, max(length, 1)),
+    )
+
+
+@rule("while")
+def _while(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    p = eqn.params
+    return b.emit_many(
+        "while",
+        _vars(b, args, eqn.invars),
+        _outs(eqn),
+        cond=_sub(b, p["cond_jaxpr"], "while_cond"),
+        body=_sub(b, p["body_jaxpr"], "while_body"),
+        cond_nconsts=int(p["cond_nconsts"]),
+        body_nconsts=int(p["body_nconsts"]),
+    )
+
+
+@rule("cond")
+def _cond(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    ins = _vars(b, args, eqn.invars)
+    if ins[0].dtype != "int32":  # (a bool predicate: JAX converts it first; to be sure)
+        ins[0] = b.emit("convert", [ins[0]], (), "int32", dtype="int32")
+    branches = tuple(_sub(b, br, f"branch{i}") for i, br in enumerate(eqn.params["branches"]))
+    return b.emit_many("cond", ins, _outs(eqn), branches=branches)
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: traced indexing (lowering.indexing)
+
+
+@rule("dynamic_slice")
+def _dynamic_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    sizes = tuple(int(s) for s in eqn.params["slice_sizes"])
+    return [indexing.dynamic_slice(b, b.as_var(args[0]), list(args[1:]), sizes)]
+
+
+@rule("dynamic_update_slice")
+def _dynamic_update_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    x, upd = b.as_var(args[0]), args[1]
+    upd = b.as_var(upd, _aval(eqn.invars[1])[0]) if isinstance(upd, Lit) else upd
+    return [indexing.dynamic_update_slice(b, x, upd, list(args[2:]))]
+
+
+@rule("rev")
+def _rev(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    return [indexing.reverse(b, b.as_var(args[0]), tuple(eqn.params["dimensions"]))]

@@ -16,7 +16,10 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   to the lhs on its way in, the lhs its input ``slot`` (printed ``lhs_slot``) and the node's
   last inputs the rest (after the epilogue's),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
-* ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody).
+* ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody),
+* ``scan``, ``while``, ``cond``: control flow, each holding its body graphs (``lax.scan``,
+  ``lax.while_loop``, ``lax.cond``/``lax.switch``); never inside a kernel, they are the
+  host program's loops and branches (:mod:`lowering.control`).
 
 Each op's parameters are a frozen, hashable dataclass (:mod:`lowering.op_params`; ``PARAMS``
 maps an op to its class, :func:`register_op` adds one), which :func:`check_graph` validates
@@ -283,6 +286,57 @@ def _r_map(n: Node) -> list:
     return [(shape, body.out_dtype)]
 
 
+def _types(vs: tuple[Var, ...] | list[Var]) -> list[tuple[tuple[int, ...], str]]:
+    return [(v.shape, v.dtype) for v in vs]
+
+
+def _signature(what: str, got: list, want: list) -> None:
+    _need(got == want, f"{what}: {_show(got)}, expected {_show(want)}")
+
+
+def _show(ts: list) -> str:
+    return "(" + ", ".join(f"{dt}{list(sh)}" for sh, dt in ts) + ")"
+
+
+def _r_scan(n: Node) -> list:
+    p = n.params
+    nc, nk = p.num_consts, p.num_carry
+    _need(len(n.inputs) >= nc + nk, "scan: fewer inputs than its consts and carry")
+    consts, carry, xs = n.inputs[:nc], n.inputs[nc : nc + nk], n.inputs[nc + nk :]
+    for x in xs:
+        _need(x.shape[:1] == (p.length,), f"scan: stacked input {x!r} is not of length {p.length}")
+    body = p.body
+    want_in = _types(consts) + _types(carry) + [(x.shape[1:], x.dtype) for x in xs]
+    _signature("scan: the body takes", _types(body.inputs), want_in)
+    _need(len(body.outputs) >= nk, "scan: the body returns fewer values than the carry")
+    _signature("scan: the body returns the carry as", _types(body.outputs[:nk]), _types(carry))
+    ys = [((p.length, *v.shape), v.dtype) for v in body.outputs[nk:]]
+    return _types(carry) + ys
+
+
+def _r_while(n: Node) -> list:
+    p = n.params
+    cn, bn = p.cond_nconsts, p.body_nconsts
+    _need(len(n.inputs) >= cn + bn, "while: fewer inputs than its consts")
+    cconsts, bconsts, carry = n.inputs[:cn], n.inputs[cn : cn + bn], n.inputs[cn + bn :]
+    _signature("while: the cond takes", _types(p.cond.inputs), _types(cconsts) + _types(carry))
+    _signature("while: the cond returns", _types(p.cond.outputs), [((), "bool")])
+    _signature("while: the body takes", _types(p.body.inputs), _types(bconsts) + _types(carry))
+    _signature("while: the body returns", _types(p.body.outputs), _types(carry))
+    return _types(carry)
+
+
+def _r_cond(n: Node) -> list:
+    _need(len(n.inputs) >= 1, "cond: no index")
+    idx, ops = n.inputs[0], n.inputs[1:]
+    _need(idx.shape == () and idx.dtype == "int32", f"cond: index {idx!r} is not an int32 scalar")
+    first = n.params.branches[0]
+    for i, g in enumerate(n.params.branches):
+        _signature(f"cond: branch {i} takes", _types(g.inputs), _types(ops))
+        _signature(f"cond: branch {i} returns", _types(g.outputs), _types(first.outputs))
+    return _types(first.outputs)
+
+
 _RULES: dict[str, Callable[[Node], list]] = {
     "elementwise": _r_elementwise,
     "convert": _r_convert,
@@ -295,6 +349,9 @@ _RULES: dict[str, Callable[[Node], list]] = {
     "matmul": _r_matmul,
     "gather": _r_gather,
     "map": _r_map,
+    "scan": _r_scan,
+    "while": _r_while,
+    "cond": _r_cond,
 }
 
 
@@ -327,6 +384,7 @@ def check_graph(g: Graph) -> None:
                 _need(v.id in defined, f"input {v!r} used before it is defined")
             _check_params(n)
             for k, sub in enumerate(n.params.subgraphs()):
+                _need(isinstance(sub, Graph), f"{n.op}: subgraph {k} is not a Graph")
                 try:
                     check_graph(sub)
                 except GraphError as e:
@@ -363,12 +421,15 @@ def format_node(n: Node) -> str:
     return f"{outs} = {n.op}[{', '.join(ps)}]({ins}){src}"
 
 
-def format_graph(g: Graph) -> str:
-    lines = [f"graph {g.name}(" + ", ".join(repr(v) for v in g.inputs) + ") {"]
+def format_graph(g: Graph, indent: str = "") -> str:
+    """``g``, readable; the graphs a node holds (a loop's body) printed below it, indented."""
+    lines = [f"{indent}graph {g.name}(" + ", ".join(repr(v) for v in g.inputs) + ") {"]
     for v, _arr in g.consts:
-        lines.append(f"  {v!r} = constant")
+        lines.append(f"{indent}  {v!r} = constant")
     for n in g.nodes:
-        lines.append("  " + format_node(n))
-    lines.append("  return " + ", ".join(f"%{v.id}" for v in g.outputs))
-    lines.append("}")
+        lines.append(f"{indent}  " + format_node(n))
+        for sub in n.params.subgraphs():
+            lines.append(format_graph(sub, indent + "    "))
+    lines.append(f"{indent}  return " + ", ".join(f"%{v.id}" for v in g.outputs))
+    lines.append(f"{indent}}}")
     return "\n".join(lines)

@@ -38,6 +38,9 @@ __all__ = [
     "Matmul",
     "Gather",
     "Map",
+    "Scan",
+    "While",
+    "Cond",
     "PARAMS",
     "GATHER_MODES",
     "make_params",
@@ -276,6 +279,94 @@ class Map(Params):
         _body(op, "body", self.body)
 
 
+def _graph(op: str, name: str, g: Any) -> None:
+    """(The graph checker checks that each of ``subgraphs()`` is a Graph, and checks it.)"""
+    _need(hasattr(g, "nodes") and hasattr(g, "outputs"), f"{op}: {name} is not a Graph")
+
+
+def _count(op: str, name: str, v: Any) -> None:
+    _need(type(v) is int and v >= 0, f"{op}: {name}={v!r} is not a count")
+
+
+@dataclass(frozen=True, slots=True)
+class Scan(Params):
+    """``lax.scan``: ``body`` maps (consts, carry, one slice of each stacked input) to (carry,
+    one slice of each stacked output), ``length`` times, from the end when ``reverse``. The
+    node's inputs are the consts, the initial carry and the stacked inputs; its outputs the
+    final carry and the stacked outputs. ``unroll``: iterations per launch the user asked
+    for (1: the compiler chooses; ``length``: the whole loop inlined)."""
+
+    body: Graph
+    length: int
+    num_consts: int
+    num_carry: int
+    reverse: bool = False
+    unroll: int = 1
+    _quiet: ClassVar[tuple[str, ...]] = ("reverse", "unroll")
+
+    def subgraphs(self) -> tuple[Graph, ...]:
+        return (self.body,)
+
+    def check(self, op: str) -> None:
+        _graph(op, "body", self.body)
+        for name in ("length", "num_consts", "num_carry"):
+            _count(op, name, getattr(self, name))
+        _need(type(self.unroll) is int and self.unroll >= 1, f"{op}: unroll={self.unroll!r}")
+        _need(isinstance(self.reverse, bool), f"{op}: reverse={self.reverse!r} is not a bool")
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        return _with_graphs(self, Params.items(self))
+
+
+@dataclass(frozen=True, slots=True)
+class While(Params):
+    """``lax.while_loop``: while ``cond`` (cond consts, carry) -> bool[] holds, ``body`` (body
+    consts, carry) -> carry. The node's inputs are the cond consts, the body consts and the
+    initial carry; its outputs the final carry."""
+
+    cond: Graph
+    body: Graph
+    cond_nconsts: int
+    body_nconsts: int
+
+    def subgraphs(self) -> tuple[Graph, ...]:
+        return (self.cond, self.body)
+
+    def check(self, op: str) -> None:
+        _graph(op, "cond", self.cond)
+        _graph(op, "body", self.body)
+        _count(op, "cond_nconsts", self.cond_nconsts)
+        _count(op, "body_nconsts", self.body_nconsts)
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        return _with_graphs(self, Params.items(self))
+
+
+@dataclass(frozen=True, slots=True)
+class Cond(Params):
+    """``lax.cond`` / ``lax.switch``: the branch the first input (an int32 index, clamped to
+    the branches as JAX does) names, applied to the other inputs."""
+
+    branches: tuple[Graph, ...]
+
+    def subgraphs(self) -> tuple[Graph, ...]:
+        return self.branches
+
+    def check(self, op: str) -> None:
+        _need(isinstance(self.branches, tuple) and self.branches, f"{op}: no branches")
+        for i, g in enumerate(self.branches):
+            _graph(op, f"branch {i}", g)
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        return (("branches", tuple(g.name for g in self.branches)),)
+
+
+def _with_graphs(p: Params, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """The printer's items with each graph shown by its name (its body printed below)."""
+    graphs = {id(g) for g in p.subgraphs()}
+    return tuple((k, v.name if id(v) in graphs else v) for k, v in items)
+
+
 #: op name -> its params class (what :func:`~lowering.graph.check_graph` checks a node against)
 PARAMS: dict[str, type[Params]] = {
     "elementwise": Elementwise,
@@ -289,6 +380,9 @@ PARAMS: dict[str, type[Params]] = {
     "matmul": Matmul,
     "gather": Gather,
     "map": Map,
+    "scan": Scan,
+    "while": While,
+    "cond": Cond,
 }
 
 

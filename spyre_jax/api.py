@@ -12,9 +12,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from device_model.hostprog import LoadedProgram, Program, format_program, program_cost
 from device_model.kernel import Kernel, format_kernel
 from device_model.runtime import Executable, launch, runtime
 from device_model.timing import kernel_cost
+from lowering.control import has_control, lower_program, unroll_scans
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
 from lowering.loading import check_fits
@@ -66,24 +68,42 @@ def _host_arg(x: Any) -> Any:
 
 
 class Compiled:
-    """A function compiled for the card: its graph, its kernel, the loaded
-    :class:`~device_model.runtime.Executable` and its figures."""
+    """A function compiled for the card: its graph, its kernel (or its host program, for a
+    function with loops or branches), the loaded executable and its figures."""
 
-    def __init__(self, graph: Graph, kernel: Kernel, out_tree: Any, compile_s: float):
+    def __init__(
+        self,
+        graph: Graph,
+        kernel: Kernel | None,
+        out_tree: Any,
+        compile_s: float,
+        program: Program | None = None,
+    ):
         self.graph = graph
         self.kernel = kernel
+        self.program = program
         self._out_tree = out_tree
         self.compile_seconds = compile_s
-        self.executable = Executable(kernel, runtime())
-        self.recipe = self.executable.recipe
+        if program is not None:
+            self.executable: Any = LoadedProgram(program, runtime())
+            self.recipe = None
+        else:
+            assert kernel is not None
+            self.executable = Executable(kernel, runtime())
+            self.recipe = self.executable.recipe
 
     def cost_analysis(self) -> dict[str, Any]:
         """Figures of the schedule: flops, device_bytes, scratchpad_peak_bytes, padding_bytes,
-        cores_used, sim_time_us (simulated time on the card), and a per-stage breakdown."""
+        cores_used, sim_time_us (simulated time on the card), and a per-stage breakdown. With
+        loops or branches: the host program's figures (``device_model.hostprog.program_cost``:
+        launches, host round trips, and per loop or branch its iterations, per-iteration and
+        total time; a while loop's iterations are those of its last run)."""
         return self.executable.cost_analysis()
 
     def as_text(self) -> str:
-        """The schedule, readable."""
+        """The schedule (the host program with its loops' bodies), readable."""
+        if self.program is not None:
+            return format_program(self.program)
         return format_kernel(self.kernel)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -102,7 +122,10 @@ class Compiled:
         # arrays were checked alive when the call was keyed (``Jitted._split``); the caller was
         # warned of int64 there too
         args = [x._buf if type(x) is Array else _host_arg(x) for x in leaves]
-        bufs = launch(self.executable, args)
+        if self.program is not None:
+            bufs = self.executable.run(args)
+        else:
+            bufs = launch(self.executable, args)
         return jax.tree_util.tree_unflatten(self._out_tree, [Array(b) for b in bufs])
 
 
@@ -110,23 +133,40 @@ class Lowered:
     """A traced and lowered function: the graph IR and the schedule, not yet compiled to JAX."""
 
     def __init__(
-        self, jitted: Jitted, key: Any, graph: Graph, kernel: Kernel, out_tree: Any, t0: float
+        self,
+        jitted: Jitted,
+        key: Any,
+        graph: Graph,
+        kernel: Kernel | None,
+        out_tree: Any,
+        t0: float,
+        program: Program | None = None,
     ):
         self._jitted, self._key = jitted, key
         self.graph, self.kernel, self._out_tree, self._t0 = graph, kernel, out_tree, t0
+        #: the host program of a function with loops or branches (``kernel`` is then None)
+        self.program = program
 
     def as_text(self, ir: str = "schedule") -> str:
-        """The schedule (``ir="schedule"``) or the graph IR (``ir="graph"``), readable."""
-        return format_graph(self.graph) if ir == "graph" else format_kernel(self.kernel)
+        """The schedule (``ir="schedule"``: the host program, with its loops' bodies, for a
+        function with loops or branches) or the graph IR (``ir="graph"``), readable."""
+        if ir == "graph":
+            return format_graph(self.graph)
+        if self.program is not None:
+            return format_program(self.program)
+        return format_kernel(self.kernel)
 
     def compile(self) -> Compiled:
         c = self._jitted._cache.get(self._key)
         if c is None:
-            c = Compiled(self.graph, self.kernel, self._out_tree, time.perf_counter() - self._t0)
+            dt = time.perf_counter() - self._t0
+            c = Compiled(self.graph, self.kernel, self._out_tree, dt, self.program)
             self._jitted._cache[self._key] = c
         return c
 
     def cost_analysis(self) -> dict[str, Any]:
+        if self.program is not None:
+            return program_cost(self.program, runtime().card)
         return kernel_cost(self.kernel, runtime().card)
 
 
@@ -209,7 +249,13 @@ class Jitted:
             return MultiLowered(self, key, closed, sm, out_store["tree"], t0, name)  # type: ignore[return-value]
         graph = from_jaxpr(closed, name=name)
         check_fits(graph)
-        kernel = compile_graph(graph, runtime().card)
+        card = runtime().card
+        if has_control(graph):  # loops or branches: a host program of kernels
+            graph = unroll_scans(graph, card, compile_graph)
+        if has_control(graph):
+            program = lower_program(graph, card, compile_graph)
+            return Lowered(self, key, graph, None, out_store["tree"], t0, program)
+        kernel = compile_graph(graph, card)
         return Lowered(self, key, graph, kernel, out_store["tree"], t0)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:

@@ -59,6 +59,9 @@ def test_every_op_has_a_params_class():
         "matmul",
         "gather",
         "map",
+        "scan",
+        "while",
+        "cond",
     }
     assert all(issubclass(c, Params) for c in PARAMS.values())
 

@@ -1,0 +1,283 @@
+"""Graphs with loops and branches -> host programs (:mod:`device_model.hostprog`).
+
+The graph IR's ``scan``, ``while`` and ``cond`` nodes never enter a kernel. :func:`lower_program`
+cuts a graph at them: each run of other nodes between two of them is a graph of its own,
+compiled by the pipeline into one kernel (one launch); each control node becomes a loop or a
+branch of the host program whose bodies are lowered the same way, once, whatever the trip
+count. Values that cross from one piece to the next stay in device memory.
+
+Before the cut, :func:`unroll_scans` inlines the scans that are better unrolled: those the user
+asked to unroll whole (``unroll >= length``) and short ones whose body kernel is quicker than
+the host's launch of it (``CardSpec.host_launch_s``: the looped form would wait for the host
+every iteration), up to :data:`UNROLL_MAX_NODES` nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from device_model.card import CardSpec
+from device_model.hostprog import Branch, Call, Program, ScanLoop, WhileLoop
+from device_model.kernel import Kernel
+from device_model.layout import layout_for
+from device_model.timing import kernel_cost
+
+from .graph import Graph, Node, Var
+from .op_params import Concatenate as ConcatParams
+from .op_params import Elementwise, Reshape, Slice
+
+__all__ = ["CONTROL_OPS", "has_control", "lower_program", "unroll_scans", "UNROLL_MAX_NODES"]
+
+#: the graph IR's control-flow ops
+CONTROL_OPS = frozenset({"scan", "while", "cond"})
+
+#: a scan is unrolled by the compiler's choice only when its unrolled body has at most this many
+#: nodes (the unrolled graph compiles as one kernel: its compile time grows with it)
+UNROLL_MAX_NODES = 96
+
+
+def has_control(g: Graph) -> bool:
+    """Whether ``g`` has a loop or a branch."""
+    return any(n.op in CONTROL_OPS for n in g.nodes)
+
+
+Compile = Callable[[Graph, CardSpec], Kernel]
+
+
+def lower_program(g: Graph, card: CardSpec, compile_graph: Compile) -> Program:
+    """``g`` as a host program: its straight-line pieces compiled by ``compile_graph``, its
+    loops and branches with their bodies lowered once (each body's scans unrolled first where
+    better: :func:`unroll_scans`; the caller does so for ``g``)."""
+    layouts = {}
+    for v in _all_vars(g):
+        layouts[v.id] = layout_for(v.shape, v.dtype, card.stick_bytes)
+    const_of = {v.id: (v, arr) for v, arr in g.consts}
+    last_use = _last_uses(g)
+    steps: list = []
+    run: list[Node] = []
+    prog_consts: dict[int, object] = {}
+
+    def flush(end: int) -> None:
+        if run:
+            call = _segment(g, run, end, last_use, const_of, card, compile_graph, len(steps))
+            if call is not None:
+                steps.append(call)
+            run.clear()
+
+    for i, n in enumerate(g.nodes):
+        if n.op not in CONTROL_OPS:
+            run.append(n)
+            continue
+        flush(i)
+        for v in n.inputs:
+            if v.id in const_of:
+                prog_consts[v.id] = const_of[v.id][1]
+        steps.append(_control(n, card, compile_graph))
+    flush(len(g.nodes))
+    for v in g.outputs:
+        if v.id in const_of:
+            prog_consts[v.id] = const_of[v.id][1]
+    return Program(
+        g.name,
+        tuple(v.id for v in g.inputs),
+        tuple(prog_consts.items()),  # type: ignore[arg-type]
+        tuple(steps),
+        tuple(v.id for v in g.outputs),
+        layouts,
+    )
+
+
+def _all_vars(g: Graph) -> list[Var]:
+    out = list(g.inputs) + [v for v, _ in g.consts]
+    for n in g.nodes:
+        out += list(n.outputs)
+    return out
+
+
+def _last_uses(g: Graph) -> dict[int, int]:
+    """Each var's last reader: a node's index, or ``len(g.nodes)`` for a graph output."""
+    last: dict[int, int] = {}
+    for i, n in enumerate(g.nodes):
+        for v in n.inputs:
+            last[v.id] = i
+    for v in g.outputs:
+        last[v.id] = len(g.nodes)
+    return last
+
+
+def _segment(
+    g: Graph,
+    nodes: list[Node],
+    end: int,
+    last_use: dict[int, int],
+    const_of: dict[int, tuple[Var, object]],
+    card: CardSpec,
+    compile_graph: Compile,
+    k: int,
+) -> Call | None:
+    """One straight-line piece (the nodes before index ``end``) as one launch."""
+    defined = {v.id for n in nodes for v in n.outputs}
+    inputs: dict[int, Var] = {}
+    consts: dict[int, tuple[Var, object]] = {}
+    for n in nodes:
+        for v in n.inputs:
+            if v.id in defined:
+                continue
+            if v.id in const_of:
+                consts[v.id] = const_of[v.id]
+            else:
+                inputs.setdefault(v.id, v)
+    outputs = [v for n in nodes for v in n.outputs if last_use.get(v.id, -1) >= end]
+    if not outputs:
+        return None
+    seg = Graph(
+        f"{g.name}_{k}",
+        tuple(inputs.values()),
+        tuple(nodes),
+        tuple(outputs),
+        tuple(consts.values()),  # type: ignore[arg-type]
+    )
+    kernel = compile_graph(seg, card)
+    return Call(kernel, tuple(inputs), tuple(v.id for v in outputs))
+
+
+def _lower_body(g: Graph, card: CardSpec, compile_graph: Compile) -> Program:
+    return lower_program(unroll_scans(g, card, compile_graph), card, compile_graph)
+
+
+def _control(n: Node, card: CardSpec, compile_graph: Compile) -> ScanLoop | WhileLoop | Branch:
+    p = n.params
+    ins = tuple(v.id for v in n.inputs)
+    outs = tuple(v.id for v in n.outputs)
+    if n.op == "scan":
+        nc, nk = p.num_consts, p.num_carry
+        return ScanLoop(
+            _lower_body(p.body, card, compile_graph),
+            p.length,
+            p.reverse,
+            ins[:nc],
+            ins[nc : nc + nk],
+            ins[nc + nk :],
+            outs,
+            n.source,
+        )
+    if n.op == "while":
+        cn, bn = p.cond_nconsts, p.body_nconsts
+        return WhileLoop(
+            _lower_body(p.cond, card, compile_graph),
+            _lower_body(p.body, card, compile_graph),
+            ins[:cn],
+            ins[cn : cn + bn],
+            ins[cn + bn :],
+            outs,
+            n.source,
+        )
+    branches = tuple(_lower_body(b, card, compile_graph) for b in p.branches)
+    return Branch(ins[0], ins[1:], branches, outs, n.source)
+
+
+# ---------------------------------------------------------------------------------------------
+# unrolling
+
+
+def unroll_scans(g: Graph, card: CardSpec, compile_graph: Compile) -> Graph:
+    """``g`` with the scans better unrolled inlined (see the module's docstring)."""
+    if not any(n.op == "scan" and _unroll(n, card, compile_graph) for n in g.nodes):
+        return g
+    nodes: list[Node] = []
+    consts = list(g.consts)
+    for n in g.nodes:
+        if n.op == "scan" and _unroll(n, card, compile_graph):
+            nodes += inline_scan(n)
+            consts += list(n.params.body.consts)
+        else:
+            nodes.append(n)
+    return Graph(g.name, g.inputs, tuple(nodes), g.outputs, tuple(consts))
+
+
+def _unroll(n: Node, card: CardSpec, compile_graph: Compile) -> bool:
+    p = n.params
+    if p.length == 0 or p.unroll >= p.length:
+        return True
+    body = p.body
+    if has_control(body) or p.length * max(len(body.nodes), 1) > UNROLL_MAX_NODES:
+        return False
+    t = kernel_cost(compile_graph(body, card), card)["sim_time_us"] * 1e-6
+    return t < card.host_launch_s
+
+
+def inline_scan(n: Node) -> list[Node]:
+    """A scan node as straight-line nodes: its body once per iteration, each slice of a stacked
+    input a ``slice`` and a ``reshape``, the stacked outputs ``concatenate`` s of the slices.
+    The body's constants are read as they are (the caller adds them to the graph's)."""
+    p = n.params
+    nc, nk = p.num_consts, p.num_carry
+    consts, carry = list(n.inputs[:nc]), list(n.inputs[nc : nc + nk])
+    xs = list(n.inputs[nc + nk :])
+    body = p.body
+    out: list[Node] = []
+    ys: list[list[Var]] = [[] for _ in body.outputs[nk:]]
+    order = range(p.length - 1, -1, -1) if p.reverse else range(p.length)
+    for i in order:
+        env: dict[int, Var] = {}
+        sliced = [_take(x, i, out, n.source) for x in xs]
+        for v, a in zip(body.inputs, consts + carry + sliced, strict=True):
+            env[v.id] = a
+        for cv, _arr in body.consts:
+            env[cv.id] = cv  # (the body's constants join the graph's below)
+        for bn in body.nodes:
+            new_outs = tuple(Var(v.shape, v.dtype) for v in bn.outputs)
+            out.append(
+                Node(bn.op, tuple(env[v.id] for v in bn.inputs), new_outs, bn.params, bn.source)
+            )
+            env.update((v.id, w) for v, w in zip(bn.outputs, new_outs, strict=True))
+        res = [env[v.id] for v in body.outputs]
+        carry = res[:nk]
+        for j, y in enumerate(res[nk:]):
+            ys[j].append(_lift(y, out, n.source))
+    stacked = []
+    for j, parts in enumerate(ys):
+        parts = parts[::-1] if p.reverse else parts
+        final = n.outputs[nk + j]
+        stacked.append((final, parts))
+    # the final carry and stacked outputs keep the scan's own vars (later nodes read them)
+    for final, v in zip(n.outputs[:nk], carry, strict=True):
+        out.append(_copy(v, final, n.source))
+    for final, parts in stacked:
+        if not parts:
+            out.append(_empty(final, n.source))
+        elif len(parts) == 1:
+            out.append(Node("reshape", (parts[0],), (final,), Reshape(final.shape), n.source))
+        else:
+            out.append(Node("concatenate", tuple(parts), (final,), ConcatParams(0), n.source))
+    return out
+
+
+def _take(x: Var, i: int, out: list[Node], source: str) -> Var:
+    """Slice ``i`` of stacked ``x`` (its first axis dropped)."""
+    r = len(x.shape)
+    one = Var((1, *x.shape[1:]), x.dtype)
+    st = (i,) + (0,) * (r - 1)
+    li = (i + 1, *x.shape[1:])
+    out.append(Node("slice", (x,), (one,), Slice(st, li, (1,) * r), source))
+    v = Var(x.shape[1:], x.dtype)
+    out.append(Node("reshape", (one,), (v,), Reshape(v.shape), source))
+    return v
+
+
+def _lift(y: Var, out: list[Node], source: str) -> Var:
+    """``y`` with a leading axis of 1 (one slice of a stacked output)."""
+    v = Var((1, *y.shape), y.dtype)
+    out.append(Node("reshape", (y,), (v,), Reshape(v.shape), source))
+    return v
+
+
+def _copy(v: Var, final: Var, source: str) -> Node:
+    return Node("elementwise", (v,), (final,), Elementwise("copy", v.dtype, (), v.shape), source)
+
+
+def _empty(final: Var, source: str) -> Node:
+    z = (0, 0, final.dtype)
+    return Node(
+        "elementwise", (), (final,), Elementwise("copy", final.dtype, (z,), final.shape), source
+    )
