@@ -53,6 +53,11 @@ __all__ = [
 ]
 
 
+#: a loop's first iterations are recorded in a profile's trace step by step; the rest as one
+#: ``loop_summary`` span (their steps still run and take their time on the timeline)
+TRACE_ITERATIONS = 32
+
+
 class LoopLimitError(RuntimeError):
     """A while loop ran more iterations than ``SPYRE_MAX_ITERATIONS`` allows."""
 
@@ -314,8 +319,37 @@ class ProgramRunner:
     view: Callable[[Any, TensorLayout, Any], Any]
     allocate: Callable[[TensorLayout], Any]
     store: Callable[[Any, Any], None]
+    #: ``trace(on)``: recording of the timeline's steps resumed (True) or paused (False);
+    #: returns the current stream's time. ``note(name, start, end)``: a summary span.
+    trace: Callable[[bool], float] = lambda on: 0.0
+    note: Callable[[str, float, float], None] = lambda name, start, end: None
     #: iterations of each while loop's last run, by the step's id
     trips: dict[int, int] = field(default_factory=dict)
+    _gaps: dict[int, float] = field(default_factory=dict)
+
+    def _gap(self, body: Program) -> float:
+        """The stream's wait for the host between iterations of a one-kernel body."""
+        if not (len(body.steps) == 1 and isinstance(body.steps[0], Call)):
+            return 0.0
+        k = body.steps[0].kernel
+        g = self._gaps.get(id(k))
+        if g is None:
+            g = self._gaps[id(k)] = _launch_gap(
+                kernel_cost(k, self.card)["sim_time_us"] * 1e-6, self.card
+            )
+        return g
+
+    def _traced(self, n: int, muted_at: list[float]) -> None:
+        """Before iteration ``n`` of a loop: past :data:`TRACE_ITERATIONS`, stop recording."""
+        if n == TRACE_ITERATIONS:
+            muted_at.append(self.trace(False))
+
+    def _summary(self, what: str, n: int, muted_at: list[float]) -> None:
+        """After a loop of ``n`` iterations: the unrecorded ones as one span of the trace."""
+        if muted_at:
+            end = self.trace(True)
+            left = n - TRACE_ITERATIONS
+            self.note(f"{what}: iterations {TRACE_ITERATIONS}-{n - 1} ({left})", muted_at[0], end)
 
     def run(self, p: Program, args: Sequence[Any]) -> list[Any]:
         """The program's outputs (buffers) for ``args`` (buffers, one per input)."""
@@ -343,25 +377,24 @@ class ProgramRunner:
         y_lays = [body.layouts[v] for v in body.outputs[nk:]]
         ys = [self.allocate(_stacked(lay, st.length)) for lay in y_lays]
         parts: list[list[Any]] = [[] for _ in ys]
-        single = len(body.steps) == 1 and isinstance(body.steps[0], Call)
-        gap = (
-            _launch_gap(
-                kernel_cost(body.steps[0].kernel, self.card)["sim_time_us"] * 1e-6, self.card
-            )
-            if single
-            else 0.0
-        )
+        gap = self._gap(body)
         order = range(st.length - 1, -1, -1) if st.reverse else range(st.length)
-        for n, i in enumerate(order):
-            xv = [
-                self.view(b, lay, _slice(a, i, lay)) for (b, a), lay in zip(xs, x_lays, strict=True)
-            ]
-            if gap and n:
-                self.host_sync(f"host launches iteration {n} of the scan", gap)
-            outs = self.run(body, consts + carry + xv)
-            carry = outs[:nk]
-            for j, y in enumerate(outs[nk:]):
-                parts[j].append(_array(y))
+        muted: list[float] = []
+        try:
+            for n, i in enumerate(order):
+                self._traced(n, muted)
+                xv = [
+                    self.view(b, lay, _slice(a, i, lay))
+                    for (b, a), lay in zip(xs, x_lays, strict=True)
+                ]
+                if gap and n:
+                    self.host_sync(f"host launches iteration {n} of the scan", gap)
+                outs = self.run(body, consts + carry + xv)
+                carry = outs[:nk]
+                for j, y in enumerate(outs[nk:]):
+                    parts[j].append(_array(y))
+        finally:
+            self._summary(f"scan at {st.source}", st.length, muted)
         for buf, lay, got in zip(ys, y_lays, parts, strict=True):
             self.store(buf, _stack(got[::-1] if st.reverse else got, lay, st.length))
         return carry + ys
@@ -373,20 +406,25 @@ class ProgramRunner:
         limit = max_iterations()
         rt = self.card.host_round_trip_s + self.card.host_launch_s
         n = 0
-        while True:
-            (pred,) = self.run(st.cond, cc + carry)
-            go = bool(self.read_scalar(pred))
-            self.host_sync(f"host reads the while loop's predicate ({n})", rt)
-            if not go:
-                break
-            if n >= limit:
-                raise LoopLimitError(
-                    f"spyre: the while loop at {st.source or '<unknown source line>'} ran "
-                    f"{n} iterations, the most SPYRE_MAX_ITERATIONS={limit} allows; it may "
-                    "never end (raise the limit if it is meant to run longer)"
-                )
-            carry = self.run(st.body, bc + carry)
-            n += 1
+        muted: list[float] = []
+        try:
+            while True:
+                self._traced(n, muted)
+                (pred,) = self.run(st.cond, cc + carry)
+                go = bool(self.read_scalar(pred))
+                self.host_sync(f"host reads the while loop's predicate ({n})", rt)
+                if not go:
+                    break
+                if n >= limit:
+                    raise LoopLimitError(
+                        f"spyre: the while loop at {st.source or '<unknown source line>'} ran "
+                        f"{n} iterations, the most SPYRE_MAX_ITERATIONS={limit} allows; it "
+                        "may never end (raise the limit if it is meant to run longer)"
+                    )
+                carry = self.run(st.body, bc + carry)
+                n += 1
+        finally:
+            self._summary(f"while loop at {st.source}", n + 1, muted)
         self.trips[id(st)] = n
         return carry
 
@@ -455,6 +493,9 @@ class LoadedProgram:
     def __init__(self, program: Program, rt: Any = None):
         self.rt = rt = rt or rtm.runtime()
         self.program = program
+        #: (what a straight-line function's executable has: one kernel and its recipe)
+        self.kernel: Kernel | None = None
+        self.recipe = None
         self.card: CardSpec = rt.card
         self._exes: dict[int, Any] = {}
         self._consts: dict[int, Any] = {}
@@ -479,7 +520,19 @@ class LoadedProgram:
             view=lambda b, lay, payload: rtm.DeviceBuffer.view(b, lay, payload, shared=False),
             allocate=lambda lay: rtm.DeviceBuffer.allocate(lay.nbytes, lay, rt=rt, tag="stacked"),
             store=lambda b, payload: b.store(payload, shared=False),
+            trace=self._trace,
+            note=self._note,
         )
+
+    def _note(self, name: str, start: float, end: float) -> None:
+        q = self.rt.queues
+        if not q.muted:  # (inside an outer loop's unrecorded iterations: nothing to show)
+            q.note(rtm.current_stream_id(), "loop_summary", name, start, end)
+
+    def _trace(self, on: bool) -> float:
+        q = self.rt.queues
+        q.muted += 1 if not on else -1
+        return q.stream_time(rtm.current_stream_id())
 
     def _host_sync(self, name: str, seconds: float) -> None:
         self.rt.queues.submit(rtm.current_stream_id(), "host_sync", name, duration=seconds)
@@ -504,6 +557,9 @@ class LoadedProgram:
         outs = self.runner.run(self.program, bufs)
         given = {id(b) for b in bufs} | {id(b) for b in self._consts.values()}
         return [_copy_of(b) if id(b) in given else b for b in outs]
+
+    def as_text(self) -> str:
+        return format_program(self.program)
 
     def cost_analysis(self) -> dict[str, Any]:
         """:func:`program_cost`, with the iterations of each while loop's last run."""

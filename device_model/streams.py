@@ -72,6 +72,7 @@ PIPELINE_OF = {
     "record_event": None,
     "wait_event": None,
     "host_sync": None,  # the stream waits for the host (a value read back, a launch)
+    "loop_summary": None,  # iterations of a loop recorded as one span (device_model.hostprog)
 }
 
 
@@ -208,6 +209,8 @@ class Queues:
     host_time: float = 0.0
     writers: dict[int, _Writer] = field(default_factory=dict)
     recording: list[list[StepRecord]] = field(default_factory=list)
+    #: while above 0, steps are submitted but not recorded (a long loop's later iterations)
+    muted: int = 0
     next_id: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -300,9 +303,23 @@ class Queues:
             st.last_step = rec
             for b in writes:
                 self.writers[b] = _Writer(stream, seq, rec)
+            if not self.muted:
+                for r in self.recording:
+                    r.append(rec)
+            return new
+
+    def stream_time(self, stream: int) -> float:
+        """When the stream's last submitted step ends."""
+        return self.state(stream).token.time
+
+    def note(self, stream: int, kind: str, name: str, start: float, end: float) -> None:
+        """Record a span that is no step of its own (what a run of unrecorded steps did);
+        nothing is submitted, no time passes."""
+        with self.lock:
+            rec = StepRecord(self.next_id, kind, name, stream, None, start, end)
+            self.next_id += 1
             for r in self.recording:
                 r.append(rec)
-            return new
 
     def _check_races(
         self, stream: int, kind: str, name: str, clock: Clock, reads: tuple[int, ...]

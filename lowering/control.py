@@ -23,8 +23,8 @@ from device_model.layout import layout_for
 from device_model.timing import kernel_cost
 
 from .graph import Graph, Node, Var
+from .op_params import Broadcast, Elementwise, Reshape, Slice
 from .op_params import Concatenate as ConcatParams
-from .op_params import Elementwise, Reshape, Slice
 
 __all__ = ["CONTROL_OPS", "has_control", "lower_program", "unroll_scans", "UNROLL_MAX_NODES"]
 
@@ -44,7 +44,9 @@ def has_control(g: Graph) -> bool:
 Compile = Callable[[Graph, CardSpec], Kernel]
 
 
-def lower_program(g: Graph, card: CardSpec, compile_graph: Compile) -> Program:
+def lower_program(
+    g: Graph, card: CardSpec, compile_graph: Compile, notes: list[dict] | None = None
+) -> Program:
     """``g`` as a host program: its straight-line pieces compiled by ``compile_graph``, its
     loops and branches with their bodies lowered once (each body's scans unrolled first where
     better: :func:`unroll_scans`; the caller does so for ``g``)."""
@@ -72,7 +74,7 @@ def lower_program(g: Graph, card: CardSpec, compile_graph: Compile) -> Program:
         for v in n.inputs:
             if v.id in const_of:
                 prog_consts[v.id] = const_of[v.id][1]
-        steps.append(_control(n, card, compile_graph))
+        steps.append(_control(n, card, compile_graph, notes))
     flush(len(g.nodes))
     for v in g.outputs:
         if v.id in const_of:
@@ -141,18 +143,23 @@ def _segment(
     return Call(kernel, tuple(inputs), tuple(v.id for v in outputs))
 
 
-def _lower_body(g: Graph, card: CardSpec, compile_graph: Compile) -> Program:
-    return lower_program(unroll_scans(g, card, compile_graph), card, compile_graph)
+def _lower_body(
+    g: Graph, card: CardSpec, compile_graph: Compile, notes: list[dict] | None
+) -> Program:
+    g = unroll_scans(g, card, compile_graph, notes)
+    return lower_program(g, card, compile_graph, notes)
 
 
-def _control(n: Node, card: CardSpec, compile_graph: Compile) -> ScanLoop | WhileLoop | Branch:
+def _control(
+    n: Node, card: CardSpec, compile_graph: Compile, notes: list[dict] | None
+) -> ScanLoop | WhileLoop | Branch:
     p = n.params
     ins = tuple(v.id for v in n.inputs)
     outs = tuple(v.id for v in n.outputs)
     if n.op == "scan":
         nc, nk = p.num_consts, p.num_carry
         return ScanLoop(
-            _lower_body(p.body, card, compile_graph),
+            _lower_body(p.body, card, compile_graph, notes),
             p.length,
             p.reverse,
             ins[:nc],
@@ -164,15 +171,15 @@ def _control(n: Node, card: CardSpec, compile_graph: Compile) -> ScanLoop | Whil
     if n.op == "while":
         cn, bn = p.cond_nconsts, p.body_nconsts
         return WhileLoop(
-            _lower_body(p.cond, card, compile_graph),
-            _lower_body(p.body, card, compile_graph),
+            _lower_body(p.cond, card, compile_graph, notes),
+            _lower_body(p.body, card, compile_graph, notes),
             ins[:cn],
             ins[cn : cn + bn],
             ins[cn + bn :],
             outs,
             n.source,
         )
-    branches = tuple(_lower_body(b, card, compile_graph) for b in p.branches)
+    branches = tuple(_lower_body(b, card, compile_graph, notes) for b in p.branches)
     return Branch(ins[0], ins[1:], branches, outs, n.source)
 
 
@@ -180,30 +187,126 @@ def _control(n: Node, card: CardSpec, compile_graph: Compile) -> ScanLoop | Whil
 # unrolling
 
 
-def unroll_scans(g: Graph, card: CardSpec, compile_graph: Compile) -> Graph:
-    """``g`` with the scans better unrolled inlined (see the module's docstring)."""
-    if not any(n.op == "scan" and _unroll(n, card, compile_graph) for n in g.nodes):
-        return g
+def unroll_scans(
+    g: Graph, card: CardSpec, compile_graph: Compile, notes: list[dict] | None = None
+) -> Graph:
+    """``g`` with the scans better unrolled inlined, and the conds better computed both ways
+    and selected (see the module's docstring). Each choice made is appended to ``notes`` (a
+    row for ``cost_analysis()["inlined"]``)."""
     nodes: list[Node] = []
     consts = list(g.consts)
+    changed = False
     for n in g.nodes:
-        if n.op == "scan" and _unroll(n, card, compile_graph):
+        note = _inline_choice(n, card, compile_graph)
+        if note is None:
+            nodes.append(n)
+            continue
+        changed = True
+        if notes is not None:
+            notes.append(note)
+        if n.op == "scan":
             nodes += inline_scan(n)
             consts += list(n.params.body.consts)
         else:
-            nodes.append(n)
+            nodes += select_cond(n)
+            for br in n.params.branches:
+                consts += list(br.consts)
+    if not changed:
+        return g
     return Graph(g.name, g.inputs, tuple(nodes), g.outputs, tuple(consts))
 
 
-def _unroll(n: Node, card: CardSpec, compile_graph: Compile) -> bool:
+def _time_us(g: Graph, card: CardSpec, compile_graph: Compile) -> float:
+    return float(kernel_cost(compile_graph(g, card), card)["sim_time_us"])
+
+
+def _inline_choice(n: Node, card: CardSpec, compile_graph: Compile) -> dict | None:
+    """Why ``n`` (a scan or a cond) is better inlined, as a row of notes; None to keep it."""
     p = n.params
-    if p.length == 0 or p.unroll >= p.length:
-        return True
-    body = p.body
-    if has_control(body) or p.length * max(len(body.nodes), 1) > UNROLL_MAX_NODES:
-        return False
-    t = kernel_cost(compile_graph(body, card), card)["sim_time_us"] * 1e-6
-    return t < card.host_launch_s
+    launch_us = card.host_launch_s * 1e6
+    if n.op == "scan":
+        row = {"kind": "scan", "source": n.source, "iterations": p.length}
+        if p.length == 0 or p.unroll >= p.length:
+            return row | {"decision": "unrolled (asked for)"}
+        body = p.body
+        if has_control(body) or p.length * max(len(body.nodes), 1) > UNROLL_MAX_NODES:
+            return None
+        t = _time_us(body, card, compile_graph)
+        if t >= launch_us:
+            return None
+        return row | {"decision": "unrolled", "body_us": t, "host_launch_us": launch_us}
+    if n.op == "cond":
+        if any(has_control(b) for b in p.branches):
+            return None
+        if sum(len(b.nodes) for b in p.branches) > UNROLL_MAX_NODES:
+            return None
+        ts = [_time_us(b, card, compile_graph) if b.nodes else 0.0 for b in p.branches]
+        rt_us = (card.host_round_trip_s + card.host_launch_s) * 1e6
+        if sum(ts) >= max(ts) + rt_us:
+            return None
+        return {
+            "kind": "cond",
+            "source": n.source,
+            "decision": "every branch computed, the result selected",
+            "branches_us": ts,
+            "round_trip_us": rt_us,
+        }
+    return None
+
+
+def select_cond(n: Node) -> list[Node]:
+    """A cond node as straight-line nodes: every branch computed, each output selected by the
+    index (clamped into range first, as JAX does)."""
+    idx, ops = n.inputs[0], list(n.inputs[1:])
+    out: list[Node] = []
+    k = len(n.params.branches)
+    lo = Var((), "int32")
+    out.append(
+        Node(
+            "elementwise",
+            (idx,),
+            (lo,),
+            Elementwise("max", "int32", ((1, 0, "int32"),), ()),
+            n.source,
+        )
+    )
+    hi = Var((), "int32")
+    out.append(
+        Node(
+            "elementwise",
+            (lo,),
+            (hi,),
+            Elementwise("min", "int32", ((1, k - 1, "int32"),), ()),
+            n.source,
+        )
+    )
+    results = [_inline_graph(br, ops, out) for br in n.params.branches]
+    for j, final in enumerate(n.outputs):
+        cases = [r[j] for r in results]
+        if k == 1:
+            out.append(_copy(cases[0], final, n.source))
+            continue
+        pred: Var = hi
+        if final.shape:
+            pred = Var(final.shape, "int32")
+            bc = Broadcast(final.shape, ())
+            out.append(Node("broadcast", (hi,), (pred,), bc, n.source))
+        ew = Elementwise("select_n", final.dtype, (), final.shape)
+        out.append(Node("elementwise", (pred, *cases), (final,), ew, n.source))
+    return out
+
+
+def _inline_graph(g: Graph, args: list[Var], out: list[Node]) -> list[Var]:
+    """``g``'s nodes appended to ``out`` over fresh vars, its inputs bound to ``args``; its
+    outputs (the graph's constants are read as they are: the caller adds them)."""
+    env: dict[int, Var] = {v.id: a for v, a in zip(g.inputs, args, strict=True)}
+    for cv, _arr in g.consts:
+        env[cv.id] = cv
+    for bn in g.nodes:
+        new_outs = tuple(Var(v.shape, v.dtype) for v in bn.outputs)
+        out.append(Node(bn.op, tuple(env[v.id] for v in bn.inputs), new_outs, bn.params, bn.source))
+        env.update((v.id, w) for v, w in zip(bn.outputs, new_outs, strict=True))
+    return [env[v.id] for v in g.outputs]
 
 
 def inline_scan(n: Node) -> list[Node]:
@@ -219,19 +322,8 @@ def inline_scan(n: Node) -> list[Node]:
     ys: list[list[Var]] = [[] for _ in body.outputs[nk:]]
     order = range(p.length - 1, -1, -1) if p.reverse else range(p.length)
     for i in order:
-        env: dict[int, Var] = {}
         sliced = [_take(x, i, out, n.source) for x in xs]
-        for v, a in zip(body.inputs, consts + carry + sliced, strict=True):
-            env[v.id] = a
-        for cv, _arr in body.consts:
-            env[cv.id] = cv  # (the body's constants join the graph's below)
-        for bn in body.nodes:
-            new_outs = tuple(Var(v.shape, v.dtype) for v in bn.outputs)
-            out.append(
-                Node(bn.op, tuple(env[v.id] for v in bn.inputs), new_outs, bn.params, bn.source)
-            )
-            env.update((v.id, w) for v, w in zip(bn.outputs, new_outs, strict=True))
-        res = [env[v.id] for v in body.outputs]
+        res = _inline_graph(body, consts + carry + sliced, out)
         carry = res[:nk]
         for j, y in enumerate(res[nk:]):
             ys[j].append(_lift(y, out, n.source))

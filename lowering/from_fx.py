@@ -44,6 +44,8 @@ def supported(node: torch.fx.Node) -> bool:
     if node.target is _INVOKE_SUBGRAPH:
         sub = _region(node)
         return sub is not None and all(supported(n) for n in sub.graph.nodes)
+    if node.target in _CONTROL:
+        return all(supported(n) for g in _control_graphs(node) for n in g.graph.nodes)
     if node.target not in RULES:
         return False
     when = WHEN.get(node.target)
@@ -198,6 +200,90 @@ def _context(gm: torch.fx.GraphModule, node: torch.fx.Node, radius: int = 2) -> 
         mark = ">>" if k == i else "  "
         out.append(f"    {mark} {nodes[k].format_node()[:160]}")
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# control flow: torch.cond, while_loop and scan (higher-order ops) -> the graph IR's cond,
+# while and scan, each subgraph imported as a graph of its own
+
+_HOP = torch.ops.higher_order
+_CONTROL = {getattr(_HOP, n) for n in ("cond", "while_loop", "scan") if hasattr(_HOP, n)}
+
+
+def _control_graphs(node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    gms = []
+    for a in node.args:
+        if isinstance(a, torch.fx.Node) and a.op == "get_attr":
+            g = _fetch_attr(a.graph.owning_module, a.target)
+            if isinstance(g, torch.fx.GraphModule):
+                gms.append(g)
+    return gms
+
+
+def _out_types(node: torch.fx.Node) -> list[tuple[tuple[int, ...], str]]:
+    vals = meta_val(node)
+    return [
+        (tuple(int(d) for d in v.shape), card_dtype(v.dtype, f"a result of {node.target}"))
+        for v in (vals if isinstance(vals, list | tuple) else [vals])
+    ]
+
+
+def _moved(g: Graph, n_first: int) -> Graph:
+    """``g`` with its last inputs (from ``n_first`` on) moved to the front."""
+    ins = g.inputs[n_first:] + g.inputs[:n_first]
+    return Graph(g.name, ins, g.nodes, g.outputs, g.consts)
+
+
+def _vars_of(b: Builder, xs: Any) -> list[Var]:
+    return [x if isinstance(x, Var) else b.as_var(x) for x in xs]
+
+
+def _cond_hop(b: Builder, node: torch.fx.Node, pred: Any, t: Any, f: Any, ops: Any) -> tuple:
+    idx = b.emit("convert", [b.as_var(pred)], (), "int32", dtype="int32")
+    branches = (from_fx(f, "branch_false"), from_fx(t, "branch_true"))  # index 0: false
+    return tuple(b.emit_many("cond", [idx, *_vars_of(b, ops)], _out_types(node), branches=branches))
+
+
+def _while_hop(
+    b: Builder, node: torch.fx.Node, cg: Any, bg: Any, carried: Any, extra: Any = ()
+) -> tuple:
+    n, extra = len(carried), _vars_of(b, extra)
+    return tuple(
+        b.emit_many(
+            "while",
+            [*extra, *extra, *_vars_of(b, carried)],
+            _out_types(node),
+            cond=_moved(from_fx(cg, "while_cond"), n),
+            body=_moved(from_fx(bg, "while_body"), n),
+            cond_nconsts=len(extra),
+            body_nconsts=len(extra),
+        )
+    )
+
+
+def _scan_hop(
+    b: Builder, node: torch.fx.Node, fg: Any, init: Any, xs: Any, extra: Any = ()
+) -> tuple:
+    init, xs, extra = _vars_of(b, init), _vars_of(b, xs), _vars_of(b, extra)
+    if not xs:
+        raise LoweringError("spyre: a torch scan without inputs to scan over")
+    body = _moved(from_fx(fg, "scan_body"), len(init) + len(xs))
+    return tuple(
+        b.emit_many(
+            "scan",
+            [*extra, *init, *xs],
+            _out_types(node),
+            body=body,
+            length=xs[0].shape[0],
+            num_consts=len(extra),
+            num_carry=len(init),
+        )
+    )
+
+
+for _name, _fn in (("cond", _cond_hop), ("while_loop", _while_hop), ("scan", _scan_hop)):
+    if hasattr(_HOP, _name):
+        RULES[getattr(_HOP, _name)] = _fn
 
 
 torch_import.finish(__name__)  # see lowering.torch_import

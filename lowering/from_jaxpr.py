@@ -751,3 +751,35 @@ def _dynamic_update_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
 @rule("rev")
 def _rev(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [indexing.reverse(b, b.as_var(args[0]), tuple(eqn.params["dimensions"]))]
+
+
+_SCATTERS = {"scatter": "set", "scatter-add": "add", "scatter_add": "add", "scatter-mul": "mul"}
+_SCATTERS |= {"scatter_mul": "mul", "scatter-max": "max", "scatter_max": "max"}
+_SCATTERS |= {"scatter-min": "min", "scatter_min": "min"}
+
+
+@rule(*_SCATTERS)
+def _scatter(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    x, idx, upd = (b.as_var(a, _aval(v)[0]) for a, v in zip(args, eqn.invars, strict=True))
+    dn = eqn.params["dimension_numbers"]
+    sd, ins = tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims)
+    wd = tuple(dn.update_window_dims)
+    rest = [d for d in range(len(x.shape)) if d not in sd]
+    mode = str(eqn.params.get("mode", ""))
+    ok = not tuple(getattr(dn, "operand_batching_dims", ())) and set(ins) <= set(sd)
+    if ok and len(idx.shape) >= 1 and idx.shape[-1] == len(sd):
+        idx, upd, wd = indexing.scatter_windows(b, x, idx, upd, sd, ins, wd, "CLIP" in mode)
+    ok = (
+        ok
+        and len(idx.shape) >= 1
+        and idx.shape[-1] == len(sd)
+        and len(wd) == len(rest)
+        and all(upd.shape[w] == x.shape[d] for w, d in zip(wd, rest, strict=True))
+    )
+    if not ok:
+        raise LoweringError(
+            "scatter is supported where each index names rows of the scattered dims (windows "
+            f"covering the other dims whole); got {dn}"
+        )
+    kind = _SCATTERS[eqn.primitive.name]
+    return [indexing.scatter(b, x, idx, upd, sd, wd, kind, clip="CLIP" in mode)]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from . import torch_import
+from . import indexing, torch_import
 from .builder import Builder, Lit
 from .errors import LoweringError
 from .fx_common import (
@@ -234,6 +234,11 @@ def _any(b: Builder, node: torch.fx.Node, x: Var, dim: Any = None, keepdim: bool
     r = _reduce(b, v, "max" if is_any else "min", norm_dims(dim, len(x.shape)), keepdim, "int32")
     # > 0, not != 0: over no elements max gives INT32_MIN (any of nothing is False)
     return b.elementwise("gt", [r, Lit(0, "int32")], r.shape, "bool")
+
+
+@rule(aten.flip.default)
+def _flip(b: Builder, node: torch.fx.Node, x: Var, dims: Any) -> Var:
+    return indexing.reverse(b, x, tuple(norm_dim(d, len(x.shape)) for d in dims))
 
 
 _CUMULATIVE = {

@@ -16,10 +16,13 @@ import math
 
 import numpy as np
 
+from device_model.layout import np_dtype
+from device_model.ops import REDUCTIONS
+
 from .builder import Builder, Lit
 from .graph import Var
 
-__all__ = ["dynamic_slice", "dynamic_update_slice"]
+__all__ = ["dynamic_slice", "dynamic_update_slice", "reverse", "scatter", "SCATTER_KINDS"]
 
 _I32 = "int32"
 
@@ -181,3 +184,203 @@ def reverse(b: Builder, x: Var, dims: tuple[int, ...]) -> Var:
         "gather", [b.reshape(x, (R, D)), b.const(idx, _I32)], (R, D), x.dtype, mode="clip"
     )
     return b.reshape(rows, x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# scatter
+
+#: a scatter's kind -> (how it merges the updates landing on one row, the merge's identity)
+SCATTER_KINDS = {"set": "", "add": "sum", "mul": "prod", "max": "max", "min": "min"}
+
+
+def scatter(
+    b: Builder,
+    x: Var,
+    index: Var,
+    upd: Var,
+    scatter_dims: tuple[int, ...],
+    window_dims: tuple[int, ...],
+    kind: str,
+    clip: bool,
+) -> Var:
+    """XLA's scatter where each index addresses whole rows: ``index`` ``[*batch, k]`` names
+    operand dims ``scatter_dims`` (each inserted: a window of one, dropped from the update), the
+    update ``[*batch and window dims]`` has ``window_dims`` covering the other operand dims
+    whole. ``kind``: set (where several updates land on one element, the last one), add, mul,
+    max, min. ``clip``: out-of-range indices clamped; otherwise their updates are dropped.
+
+    Every row of the result compares its own index with each update's (a ``[rows, updates]``
+    match); add, mul, max and min reduce the matching updates (their identity where none
+    matches) and merge the result into the row; set takes the last matching update, or keeps
+    the row."""
+    r = len(x.shape)
+    rest = [d for d in range(r) if d not in scatter_dims]
+    xt = b.transpose(x, (*scatter_dims, *rest))
+    lead = tuple(x.shape[d] for d in scatter_dims)
+    tail = tuple(x.shape[d] for d in rest)
+    R, D = math.prod(lead), math.prod(tail)
+    k = len(scatter_dims)
+    batch = index.shape[:-1]
+    M = math.prod(batch)
+    if R == 0 or D == 0 or M == 0:
+        return x
+    ub = [d for d in range(len(upd.shape)) if d not in window_dims]
+    u = b.reshape(b.transpose(upd, (*ub, *window_dims)), (M, D))
+    idx = b.reshape(index, (M, k))
+    rows = _flat_rows(b, idx, lead, clip)  # [M]: each update's row, -1 when dropped
+    io = b.const(np.arange(R, dtype=np.int32).reshape(R, 1), _I32)
+    io = b.emit("broadcast", [io], (R, M), _I32, shape=(R, M), dims=(0, 1))
+    rm = b.emit("broadcast", [b.reshape(rows, (1, M))], (R, M), _I32, shape=(R, M), dims=(0, 1))
+    match = b.elementwise("eq", [io, rm], (R, M), "bool")  # [R, M]
+    xr = b.reshape(xt, (R, D))
+    if kind == "set":
+        out = _scatter_set(b, xr, u, match, R, M, D)
+    else:
+        red = SCATTER_KINDS[kind]
+        m3 = b.emit("broadcast", [match], (R, M, D), "bool", shape=(R, M, D), dims=(0, 1))
+        u3 = b.emit(
+            "broadcast",
+            [b.reshape(u, (1, M, D))],
+            (R, M, D),
+            u.dtype,
+            shape=(R, M, D),
+            dims=(0, 1, 2),
+        )
+        ident = _identity(red, u.dtype)
+        masked = b.elementwise(
+            "select_n", [m3, b.full((R, M, D), ident, u.dtype), u3], (R, M, D), u.dtype
+        )
+        part = b.emit("reduce", [masked], (R, D), u.dtype, kind=red, axes=(1,))
+        fn = {"sum": "add", "prod": "mul", "max": "max", "min": "min"}[red]
+        out = b.elementwise(fn, [xr, part], (R, D), x.dtype)
+    back = [0] * r
+    for pos, d in enumerate((*scatter_dims, *rest)):
+        back[d] = pos
+    return b.transpose(b.reshape(out, (*lead, *tail)), tuple(back))
+
+
+def _identity(red: str, dtype: str) -> object:
+    return REDUCTIONS[red].identity_value(np_dtype(dtype)).item()
+
+
+def _flat_rows(b: Builder, idx: Var, lead: tuple[int, ...], clip: bool) -> Var:
+    """Each update's row of the operand's leading dims ``lead`` from its index ``[M, k]``:
+    clamped (``clip``), or -1 where a coordinate is out of range."""
+    M, k = idx.shape
+    strides = [math.prod(lead[j + 1 :]) for j in range(k)]
+    terms: list[tuple[Var | Lit, int]] = []
+    ok: Var | None = None
+    for j in range(k):
+        c = b.reshape(b.slice_dim(idx, 1, j, j + 1), (M,))
+        if clip:
+            c = b.elementwise("max", [c, Lit(0, _I32)], (M,), _I32)
+            c = b.elementwise("min", [c, Lit(lead[j] - 1, _I32)], (M,), _I32)
+        else:
+            inside = b.elementwise(
+                "and",
+                [
+                    b.elementwise("ge", [c, Lit(0, _I32)], (M,), "bool"),
+                    b.elementwise("lt", [c, Lit(lead[j], _I32)], (M,), "bool"),
+                ],
+                (M,),
+                "bool",
+            )
+            ok = inside if ok is None else b.elementwise("and", [ok, inside], (M,), "bool")
+        terms.append((c, strides[j]))
+    rows = _scaled_sum(b, terms, (M,))
+    if ok is None:
+        return rows
+    return b.elementwise("select_n", [ok, b.full((M,), -1, _I32), rows], (M,), _I32)
+
+
+def _scatter_set(b: Builder, xr: Var, u: Var, match: Var, R: int, M: int, D: int) -> Var:
+    """Each row takes the last update that lands on it, or keeps its own."""
+    pos = b.const(np.arange(1, M + 1, dtype=np.int32).reshape(1, M), _I32)
+    pos = b.emit("broadcast", [pos], (R, M), _I32, shape=(R, M), dims=(0, 1))
+    score = b.elementwise("select_n", [match, b.full((R, M), 0, _I32), pos], (R, M), _I32)
+    last = b.emit("reduce", [score], (R,), _I32, kind="max", axes=(1,))  # 0: no update lands
+    hit = b.elementwise("gt", [last, Lit(0, _I32)], (R,), "bool")
+    src = b.elementwise(
+        "max", [b.elementwise("sub", [last, Lit(1, _I32)], (R,), _I32), Lit(0, _I32)], (R,), _I32
+    )
+    got = b.emit("gather", [u, src], (R, D), u.dtype, mode="clip")
+    h2 = b.emit("broadcast", [b.reshape(hit, (R, 1))], (R, D), "bool", shape=(R, D), dims=(0, 1))
+    return b.elementwise("select_n", [h2, xr, got], (R, D), xr.dtype)
+
+
+def scatter_windows(
+    b: Builder,
+    x: Var,
+    index: Var,
+    upd: Var,
+    scatter_dims: tuple[int, ...],
+    inserted: tuple[int, ...],
+    window_dims: tuple[int, ...],
+    clip: bool,
+) -> tuple[Var, Var, tuple[int, ...]]:
+    """A scatter whose scattered dims keep a window (``x.at[1:3].set(v)``: dim 0 scattered with
+    a window of 2) as one where each is inserted: each window position becomes an update of its
+    own, at the index plus its offset. As XLA does, a window start is clamped so that the
+    window fits (``clip``), or the whole window is dropped when it does not. Returns
+    ``(index, update, window_dims)``."""
+    inserted = tuple(inserted)
+    for d in scatter_dims:
+        if d in inserted:
+            continue
+        nonins = [e for e in range(len(x.shape)) if e not in inserted]
+        a = window_dims[nonins.index(d)]
+        w = upd.shape[a]
+        ub = [e for e in range(len(upd.shape)) if e not in window_dims]
+        others = [e for e in window_dims if e != a]
+        upd = b.transpose(upd, (*ub, a, *others))  # [*batch, w, *other windows]
+        nb = len(ub) + 1
+        window_dims = tuple(range(nb, nb + len(others)))
+        batch, k = index.shape[:-1], index.shape[-1]
+        col = scatter_dims.index(d)
+        index = _window_starts(b, index, col, x.shape[d] - w, w + x.shape[d], clip)
+        off = np.zeros((w, k), np.int32)
+        off[:, col] = np.arange(w)
+        shape = (*batch, w, k)
+        wide = b.emit(
+            "broadcast",
+            [b.reshape(index, (*batch, 1, k))],
+            shape,
+            _I32,
+            shape=shape,
+            dims=tuple(range(len(shape))),
+        )
+        offs = b.emit(
+            "broadcast",
+            [b.const(off, _I32)],
+            shape,
+            _I32,
+            shape=shape,
+            dims=(len(batch), len(batch) + 1),
+        )
+        index = b.elementwise("add", [wide, offs], shape, _I32)
+        inserted = (*inserted, d)
+    return index, upd, window_dims
+
+
+def _window_starts(b: Builder, index: Var, col: int, hi: int, away: int, clip: bool) -> Var:
+    """``index`` with column ``col`` (window starts) clamped to ``[0, hi]`` (``clip``), or moved
+    ``away`` below zero where out of that range (every row of the window then drops)."""
+    k = index.shape[-1]
+    c = b.slice_dim(index, len(index.shape) - 1, col, col + 1)
+    if clip:
+        c = b.elementwise("max", [c, Lit(0, _I32)], c.shape, _I32)
+        new = b.elementwise("min", [c, Lit(hi, _I32)], c.shape, _I32)
+    else:
+        ok = b.elementwise(
+            "and",
+            [
+                b.elementwise("ge", [c, Lit(0, _I32)], c.shape, "bool"),
+                b.elementwise("le", [c, Lit(hi, _I32)], c.shape, "bool"),
+            ],
+            c.shape,
+            "bool",
+        )
+        new = b.elementwise("select_n", [ok, b.full(c.shape, -away, _I32), c], c.shape, _I32)
+    parts = [b.slice_dim(index, len(index.shape) - 1, j, j + 1) for j in range(k)]
+    parts[col] = new
+    return b.concat(parts, len(index.shape) - 1)

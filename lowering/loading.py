@@ -23,10 +23,12 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from device_model.hostprog import LoadedProgram
 from device_model.layout import layout_for
 from device_model.memory import DeviceOOMError
 from device_model.runtime import Executable, Runtime, runtime
 
+from .control import has_control, lower_program, unroll_scans
 from .graph import Graph
 from .pipeline import compile_graph
 
@@ -64,6 +66,10 @@ def load(
     :func:`check_fits` first, then ``compile_graph``, then its constants copied in."""
     rt = rt or runtime()
     check_fits(graph, rt, together=together)
+    if has_control(graph):  # loops or branches: a host program (lowering.control)
+        graph = unroll_scans(graph, rt.card, compile_graph)
+        if has_control(graph):
+            return LoadedProgram(lower_program(graph, rt.card, compile_graph), rt)  # type: ignore[return-value]
     return Executable(compile_graph(graph, rt.card), rt)
 
 

@@ -67,6 +67,10 @@ def _host_arg(x: Any) -> Any:
     return np.asarray(x).astype(np.int32) if _is_int64(x) else x
 
 
+def _with_inlined(cost: dict[str, Any], inlined: list[dict]) -> dict[str, Any]:
+    return {**cost, "inlined": list(inlined)} if inlined else cost
+
+
 class Compiled:
     """A function compiled for the card: its graph, its kernel (or its host program, for a
     function with loops or branches), the loaded executable and its figures."""
@@ -78,10 +82,12 @@ class Compiled:
         out_tree: Any,
         compile_s: float,
         program: Program | None = None,
+        inlined: list[dict] | None = None,
     ):
         self.graph = graph
         self.kernel = kernel
         self.program = program
+        self.inlined = list(inlined or [])
         self._out_tree = out_tree
         self.compile_seconds = compile_s
         if program is not None:
@@ -97,8 +103,10 @@ class Compiled:
         cores_used, sim_time_us (simulated time on the card), and a per-stage breakdown. With
         loops or branches: the host program's figures (``device_model.hostprog.program_cost``:
         launches, host round trips, and per loop or branch its iterations, per-iteration and
-        total time; a while loop's iterations are those of its last run)."""
-        return self.executable.cost_analysis()
+        total time; a while loop's iterations are those of its last run). ``inlined``, when
+        the compiler unrolled a loop or computed every branch of a cond and selected: one row
+        each, with the figures it decided on."""
+        return _with_inlined(self.executable.cost_analysis(), self.inlined)
 
     def as_text(self) -> str:
         """The schedule (the host program with its loops' bodies), readable."""
@@ -141,11 +149,14 @@ class Lowered:
         out_tree: Any,
         t0: float,
         program: Program | None = None,
+        inlined: list[dict] | None = None,
     ):
         self._jitted, self._key = jitted, key
         self.graph, self.kernel, self._out_tree, self._t0 = graph, kernel, out_tree, t0
         #: the host program of a function with loops or branches (``kernel`` is then None)
         self.program = program
+        #: the loops the compiler unrolled and the branches it computed both ways, and why
+        self.inlined = list(inlined or [])
 
     def as_text(self, ir: str = "schedule") -> str:
         """The schedule (``ir="schedule"``: the host program, with its loops' bodies, for a
@@ -160,14 +171,16 @@ class Lowered:
         c = self._jitted._cache.get(self._key)
         if c is None:
             dt = time.perf_counter() - self._t0
-            c = Compiled(self.graph, self.kernel, self._out_tree, dt, self.program)
+            c = Compiled(self.graph, self.kernel, self._out_tree, dt, self.program, self.inlined)
             self._jitted._cache[self._key] = c
         return c
 
     def cost_analysis(self) -> dict[str, Any]:
         if self.program is not None:
-            return program_cost(self.program, runtime().card)
-        return kernel_cost(self.kernel, runtime().card)
+            cost = program_cost(self.program, runtime().card)
+        else:
+            cost = kernel_cost(self.kernel, runtime().card)
+        return _with_inlined(cost, self.inlined)
 
 
 class Jitted:
@@ -250,13 +263,15 @@ class Jitted:
         graph = from_jaxpr(closed, name=name)
         check_fits(graph)
         card = runtime().card
+        notes: list[dict] = []  # the loops unrolled and branches selected: cost_analysis()
+        lowered = graph
         if has_control(graph):  # loops or branches: a host program of kernels
-            graph = unroll_scans(graph, card, compile_graph)
-        if has_control(graph):
-            program = lower_program(graph, card, compile_graph)
-            return Lowered(self, key, graph, None, out_store["tree"], t0, program)
-        kernel = compile_graph(graph, card)
-        return Lowered(self, key, graph, kernel, out_store["tree"], t0)
+            lowered = unroll_scans(graph, card, compile_graph, notes)
+        if has_control(lowered):
+            program = lower_program(lowered, card, compile_graph, notes)
+            return Lowered(self, key, graph, None, out_store["tree"], t0, program, notes)
+        kernel = compile_graph(lowered, card)
+        return Lowered(self, key, graph, kernel, out_store["tree"], t0, inlined=notes)
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (shapes, dtypes and static values). An array

@@ -223,6 +223,31 @@ def test_bench_eager_json(capsys):
     assert g["generate_warm_s"] > 0 and g["warm_over_cpu"] > 0
 
 
+@pytest.mark.slow
+def test_bench_loops_json(capsys):
+    # a scan compiles one layer; a loop iteration costs about a cached call; a long loop's
+    # trace keeps its first iterations and one summary span
+    assert cli.main(["bench", "loops", "--reps", "2", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    c, it, w = r["compile"], r["iteration"], r["while_10k"]
+    assert c["layers_4_kernels"] == c["layers_32_kernels"] and c["ratio"] > 0
+    assert it["iteration_s"] > 0 and it["call_s"] > 0
+    assert w["iterations"] == 10_000 and w["trace_kinds"]["loop_summary"] == 1
+    assert w["trace_records"] < 200
+
+
+@pytest.mark.slow
+def test_bench_jax_decode_json(capsys):
+    # a Llama in plain JAX, one spyre_jax.jit call: greedy tokens equal jax.jit's and torch's
+    argv = ["bench", "jax-decode", "--layers", "1", "--seq", "4", "--tokens", "3", "--json"]
+    assert cli.main(argv) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["tokens_equal_cpu"] == 3 and r["tokens_equal_torch"] == 3 and r["runs_agree"]
+    assert r["fp16_mismatch_within_tolerance"]
+    assert r["sim_us_per_token"] > 0 and r["torch_sim_us_per_token"] > 0
+    assert r["sim_wall_s_per_token"] > 0 and r["cpu_wall_s_per_token"] > 0
+
+
 def test_fuzz_runs_programs_and_reports(capsys):
     assert cli.main(["fuzz", "--examples", "3", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import spyre_jax
-from device_model.hostprog import LoopLimitError, ScanLoop, WhileLoop
+from device_model.hostprog import Branch, LoopLimitError, ScanLoop, WhileLoop
 from lowering import control
 from spyre_jax.tools.testing import assert_tree_close
 
@@ -159,19 +159,43 @@ def test_a_runaway_loop_stops_with_a_clear_error_and_frees_its_memory(monkeypatc
 # cond and switch
 
 
-def test_cond_takes_the_branch_the_predicate_names():
+def test_cond_takes_the_branch_the_predicate_names(unroll_mode):
     f = lambda p, x: lax.cond(p, lambda x: jnp.sin(x) * 2, lambda x: x - 1, x)  # noqa: E731
     x = _rand((3, 70))
     for p in (True, False):
         _check(f, np.bool_(p), x)
+    low = spyre_jax.jit(f).lower(np.bool_(True), x)
+    if unroll_mode == "looped":  # read back: a branch of the host program
+        assert any(isinstance(s, Branch) for s in low.program.steps)
+        assert "inlined" not in low.cost_analysis()
+    else:  # two tiny branches: both computed and selected beats a round trip
+        assert low.program is None
+        (row,) = low.cost_analysis()["inlined"]
+        assert row["kind"] == "cond" and "selected" in row["decision"]
+        assert sum(row["branches_us"]) < max(row["branches_us"]) + row["round_trip_us"]
 
 
-def test_switch_clamps_an_index_out_of_range():
+def test_switch_clamps_an_index_out_of_range(unroll_mode):
     branches = [lambda x: x, lambda x: x + 1, lambda x: jnp.exp(x)]
     f = lambda i, x: lax.switch(i, branches, x)  # noqa: E731
     x = _rand((5,))
     for i in (-3, 0, 1, 2, 7):
         _check(f, np.int32(i), x)
+
+
+def test_a_costly_branch_is_read_back_not_computed_both_ways():
+    # each branch takes longer than the round trip: computing both would cost more
+    def f(p, x, w):
+        heavy = lambda x: jnp.tanh(x @ w) @ w  # noqa: E731
+        return lax.cond(p, heavy, lambda x: jnp.tanh(heavy(x) @ w), x)
+
+    spec = jax.ShapeDtypeStruct((2048, 2048), jnp.float16)
+    low = spyre_jax.jit(f).lower(jax.ShapeDtypeStruct((), jnp.bool_), spec, spec)
+    assert low.program is not None and "inlined" not in low.cost_analysis()
+    (row,) = low.cost_analysis()["control"]
+    assert row["kind"] == "branch" and min(row["branches_us"]) > row["iteration_us"] - max(
+        row["branches_us"]
+    )
 
 
 def test_control_flow_nests():
@@ -230,8 +254,10 @@ def test_the_docs_example_runs(capsys):
     import re
 
     page = pathlib.Path(__file__).parent.parent / "docs" / "control-flow.md"
-    (code,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    exec(compile(code, str(page), "exec"), {})
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    assert len(blocks) == 2  # JAX's, then PyTorch's
+    for code in blocks:
+        exec(compile(code, str(page), "exec"), {})
     out = capsys.readouterr().out
     assert "(4, 64)" in out and "scan" in out and "1.414" in out
 
@@ -262,3 +288,24 @@ def test_the_checker_checks_control_nodes_and_their_bodies():
     other = Graph("b2", (a,), (Node("convert", (a,), (ai,), Convert("int32")),), (ai,))
     with pytest.raises(GraphError, match="branch 1 returns"):
         check_graph(Graph("g", (i, c), (Node("cond", (i, c), (y,), Cond((br, other))),), (y,)))
+
+
+def test_a_long_loop_keeps_its_first_iterations_in_the_trace_and_summarises_the_rest():
+    from device_model.hostprog import TRACE_ITERATIONS
+
+    f = spyre_jax.jit(
+        lambda x: lax.while_loop(lambda c: c[0] < 200, lambda c: (c[0] + 1, c[1] * 2), (0, x))
+    )
+    x = np.ones(4, np.float32)
+    f(x)
+    with spyre_jax.profile(print_summary=False) as prof:
+        np.asarray(f(x)[1])
+    reads = [r for r in prof.records if r.kind == "copy_out" and r.name.startswith("copy out bool")]
+    assert len(reads) == TRACE_ITERATIONS
+    (summary,) = [r for r in prof.records if r.kind == "loop_summary"]
+    assert (
+        f"iterations {TRACE_ITERATIONS}-200" in summary.name and "test_control.py" in summary.name
+    )
+    assert summary.end > summary.start
+    # the unrecorded steps still took their time: the summary ends where the timeline does
+    assert summary.end == pytest.approx(max(r.end for r in prof.records))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -95,3 +96,56 @@ def test_map_and_associative_scan():
         lambda x: lax.associative_scan(jnp.maximum, x, axis=1, reverse=True),
     ):
         assert_tree_close(spyre_jax.jit(f)(x), jax.jit(f)(x), k=70)
+
+
+_SCATTERS = {
+    "add": lambda x, i, v: x.at[i].add(v),
+    "set": lambda x, i, v: x.at[i].set(v),  # a duplicate index: the last update wins, as on CPU
+    "max": lambda x, i, v: x.at[i].max(v * 0.5),
+    "min": lambda x, i, v: x.at[i].min(v - 20),
+    "mul": lambda x, i, v: x.at[i].multiply(v / 10),
+    "add_clip": lambda x, i, v: x.at[i].add(v, mode="clip"),
+    "set_column": lambda x, i, v: x.at[:, i[0]].set(v[:, 0]),
+    "add_element": lambda x, i, v: x.at[i[0], i[1]].add(3.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int32], ids=["f32", "f16", "i32"])
+@pytest.mark.parametrize("name", list(_SCATTERS))
+def test_scatter_with_traced_indices(name, dtype):
+    if dtype is np.int32 and name in ("mul", "max", "set_column", "add_element"):
+        pytest.skip("covered in floating point")
+    x = np.arange(30).reshape(5, 6).astype(dtype)
+    i = np.array([1, 2, 1, 7, -1], np.int32)  # a duplicate, one past the end, one from the end
+    v = (np.arange(30).reshape(5, 6) % 7).astype(dtype)
+    f = _SCATTERS[name]
+    got = np.asarray(spyre_jax.jit(f)(x, i, v))
+    want = np.asarray(jax.jit(f)(x, i, v))
+    if name == "mul":  # two updates on one row: multiplied in another order (one rounding)
+        assert_tree_close(got, want, k=2)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def test_scatter_into_a_buffer_carried_by_a_loop():
+    def f(x):
+        def body(i, acc):
+            return acc.at[i % 4].add(x[i])
+
+        return lax.fori_loop(0, 8, body, jnp.zeros((4, 70)))
+
+    assert_tree_close(spyre_jax.jit(f)(X[0, :8]), jax.jit(f)(X[0, :8]), k=2)
+
+
+@pytest.mark.parametrize("mode", [lax.GatherScatterMode.CLIP, lax.GatherScatterMode.FILL_OR_DROP])
+def test_scatter_of_a_window_clamps_or_drops_it_whole(mode):
+    # a window of two rows: its start clamped so it fits, or the whole window dropped
+    dn = lax.ScatterDimensionNumbers(
+        update_window_dims=(1, 2), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+    )
+    f = lambda x, v, i: lax.scatter(x, jnp.reshape(i, (1, 1)), v[None], dn, mode=mode)  # noqa: E731
+    v = -np.ones((2, 70), np.float32)
+    for start in (-1, 2, 4, 9):
+        _same(f, X[0], v, np.int32(start))
+    _same(lambda x, v: x.at[1:3].set(v), X[0], v)
+    _same(lambda x, v: x.at[3:5, 10:20].add(v[:, :10]), X[0], v)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from device_model.hostprog import LoadedProgram
 from device_model.layout import TensorLayout
 from device_model.runtime import DeviceBuffer, Executable, copy_in, copy_out, launch, runtime
 from lowering import loading
@@ -114,7 +115,7 @@ def run_graph(exe: Executable, args: Sequence[Any], out_meta: Sequence[Any]) -> 
                 leaves.append(resident_parameter(a, exe.in_layouts[i]))
             else:
                 leaves.append(to_host(a))
-        outs = launch(exe, leaves)
+        outs = exe.run(leaves) if type(exe) is LoadedProgram else launch(exe, leaves)
     finally:
         for b in temps:
             b.delete()

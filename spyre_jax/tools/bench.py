@@ -18,7 +18,16 @@ import torch
 import spyre_jax
 from torch_bridge import backend as tb
 
-from . import bench_calibrate, bench_eager, bench_models, bench_schedules, bench_serve, bench_tp
+from . import (
+    bench_calibrate,
+    bench_eager,
+    bench_jax_decode,
+    bench_loops,
+    bench_models,
+    bench_schedules,
+    bench_serve,
+    bench_tp,
+)
 from .demo import demo_block, gpt2_small
 
 __all__ = [
@@ -249,6 +258,13 @@ def main(args: Any) -> int:
             bench_schedules.format_schedules,
         ),
         "tp": (bench_tp.bench_tp, bench_tp.format_tp),
+        "loops": (lambda: bench_loops.bench_loops(reps=args.reps), bench_loops.format_loops),
+        "jax-decode": (
+            lambda: bench_jax_decode.bench_jax_decode(
+                layers=args.layers, seq=args.seq, tokens=args.tokens
+            ),
+            bench_jax_decode.format_jax_decode,
+        ),
         "eager": (
             lambda: bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens),
             bench_eager.format_eager,

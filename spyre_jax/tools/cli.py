@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "calibrate",
             "schedules",
             "tp",
+            "loops",
+            "jax-decode",
         ],
     )
     pb.add_argument("--json", action="store_true", help="print one JSON object")
@@ -137,16 +139,21 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="models, serve, calibrate, schedules: comma-separated names (default all)",
     )
-    pb.add_argument("--layers", type=int, default=None, help="models: shorten to N layers")
+    pb.add_argument(
+        "--layers", type=int, default=None, help="models, serve, jax-decode: shorten to N layers"
+    )
     pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
     pb.add_argument(
         "--seq",
         type=int,
         default=None,
-        help="models, serve, eager: prompt length (128; serve 32; eager 8)",
+        help="prompt length (models 128; serve 32; eager 8; jax-decode 16)",
     )
     pb.add_argument(
-        "--tokens", type=int, default=None, help="serve, eager: new tokens (16; eager 24)"
+        "--tokens",
+        type=int,
+        default=None,
+        help="serve, eager, jax-decode: new tokens (16; eager 24)",
     )
     pb.add_argument(
         "--cache",
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "reps", 0) is None:
         args.reps = {"models": 1, "sim": 15}.get(args.which, 5)
     if getattr(args, "seq", 0) is None:
-        args.seq = {"serve": 32, "eager": 8}.get(args.which, 128)
+        args.seq = {"serve": 32, "eager": 8, "jax-decode": 16}.get(args.which, 128)
     if getattr(args, "tokens", 0) is None:
         args.tokens = 24 if args.which == "eager" else 16
     if args.cmd == "demo":

@@ -512,6 +512,10 @@ JAX_OPS: list[JaxOp] = [
         "x.at[].set",
         S(lambda x, v: x.at[1:3].set(v), A((5, 65)), A((2, 65))),
         S(lambda x, i: x.at[i].add(1.0), A((3, 63)), Idx((4,), 3)),
+        # traced scatters: a duplicate index, one out of range (dropped), clip mode
+        S(lambda x, i, v: x.at[i].set(v), A((5, 65)), Idx((4,), 7), A((4, 65))),
+        S(lambda x, i, v: x.at[i].max(v), A((5, 65)), Idx((4,), 5), A((4, 65))),
+        S(lambda x, i, v: x.at[:, i].add(v, mode="clip"), A((3, 63)), Idx((2,), 70), A((3, 2))),
     ),
     along("jnp.sort", lambda x, a: jnp.sort(x, axis=a)),
     along("jnp.argsort", lambda x, a: jnp.argsort(x, axis=a)),
@@ -626,6 +630,11 @@ JAX_OPS: list[JaxOp] = [
             A((3, 63)),
             Arg((), kind="const", dtype="int32", value=40),
         ),
+        S(  # a start out of range: clamped, as JAX does
+            lambda x, i: lax.dynamic_slice(x, (i, 5), (2, 17)),
+            A((5, 65)),
+            Arg((), kind="const", dtype="int32", value=9),
+        ),
     ),
     op(
         "lax.dynamic_update_slice",
@@ -634,6 +643,12 @@ JAX_OPS: list[JaxOp] = [
             A((5, 65)),
             A((2, 65)),
             Arg((), kind="const", dtype="int32", value=1),
+        ),
+        S(
+            lambda x, u, i: lax.dynamic_update_slice(x, u, (1, i)),
+            A((3, 63)),
+            A((2, 10)),
+            Arg((), kind="const", dtype="int32", value=-4),
         ),
     ),
     per_shape(
@@ -678,16 +693,48 @@ JAX_OPS: list[JaxOp] = [
         lambda x: x * lax.broadcasted_iota(x.dtype, x.shape, 0),
     ),
     # -- control flow
-    per_shape("lax.cond", lambda x: lax.cond(x.sum() > 0, lambda v: v * 2, lambda v: -v, x)),
-    per_shape("lax.fori_loop", lambda x: lax.fori_loop(0, 3, lambda i, v: v * 0.5 + 1, x)),
+    per_shape(
+        "lax.cond",
+        lambda x: lax.cond(x.sum() > 0, lambda v: v * 2, lambda v: -v, x),
+        lambda x: lax.cond(x[0].sum() < 0, lambda v: (v[0], v[1] + 1), lambda v: v, (x, x * 2)),
+    ),
+    op(
+        "lax.switch",
+        *(
+            S(
+                lambda x, i: lax.switch(i, [lambda v: v, lambda v: jnp.sin(v), lambda v: v * 3], x),
+                A((5, 65)),
+                Arg((), kind="const", dtype="int32", value=k),
+            )
+            for k in (-2, 1, 7)  # out of range on both sides: clamped, as JAX does
+        ),
+    ),
+    per_shape(
+        "lax.fori_loop",
+        lambda x: lax.fori_loop(0, 3, lambda i, v: v * 0.5 + 1, x),
+        lambda x: lax.fori_loop(0, 4, lambda i, c: (c[0] + x[0] * i, c[1] * 0.9), (x[0], x))[0],
+    ),
+    op(
+        "lax.fori_loop(traced bounds)",
+        S(
+            lambda x, n: lax.fori_loop(0, n, lambda i, v: v * 0.5 + 1, x),
+            A((5, 65)),
+            Arg((), kind="const", dtype="int32", value=3),
+        ),
+    ),
     per_shape(
         "lax.scan",
         lambda x: lax.scan(lambda c, r: (c + r, c * 2), jnp.zeros_like(x[0]), x),
+        lambda x: lax.scan(lambda c, r: (c * 0.5 + r, c.sum()), x[-1], x, reverse=True),
+        lambda x: lax.scan(lambda c, _: ((c[0] * 0.9, c[1] + 1), c[0]), (x, 0), None, length=3),
     ),
     per_shape(
         "lax.while_loop",
         lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 0.5), (0, x))[1],
+        lambda x: lax.while_loop(lambda v: jnp.max(jnp.abs(v)) > 0.1, lambda v: v * 0.5, x),
     ),
+    per_shape("lax.map", lambda x: lax.map(lambda r: jnp.tanh(r) * 2, x)),
+    per_shape("lax.associative_scan", lambda x: lax.associative_scan(jnp.add, x, axis=0)),
     pairs("jax.vmap", jax.vmap(lambda a, b: a @ b), (((4, 5, 65), (4, 65, 7)),)),
     per_shape("jax.checkpoint", jax.checkpoint(lambda x: jnp.sin(x) * x)),
     per_shape("jax.grad", jax.grad(lambda x: jnp.sum(jnp.tanh(x) ** 2))),
