@@ -216,18 +216,20 @@ def _launch_gap(kernel_s: float, card: CardSpec) -> float:
 
 def program_cost(p: Program, card: CardSpec, trips: dict[int, int] | None = None) -> dict:
     """Figures of a program: ``sim_time_us`` (its kernels, the loops' iterations and the
-    host's waits), ``kernels`` (launches per run), ``host_round_trips`` and per loop or
+    host's waits), ``kernel_time_us`` (its kernels' time alone, without the host's waits),
+    ``kernels`` (launches per run), ``host_round_trips`` and per loop or
     branch a row of ``control``: kind, source, iterations (a while loop's: those of its last
     run in ``trips``, by the step's id, else unknown), per-iteration and total time.
     """
     trips = trips or {}
-    total, launches, rts = 0.0, 0, 0
+    total, launches, rts, kern_us = 0.0, 0, 0, 0.0
     flops, dev_bytes, peak = 0, 0, 0
     rows: list[dict[str, Any]] = []
     for st in p.steps:
         if isinstance(st, Call):
             c = kernel_cost(st.kernel, card)
             total += c["sim_time_us"]
+            kern_us += c["sim_time_us"]
             launches += 1
             flops += c["flops"]
             dev_bytes += c["device_bytes"]
@@ -240,11 +242,13 @@ def program_cost(p: Program, card: CardSpec, trips: dict[int, int] | None = None
         launches += row["launches"]
         rts += row["host_round_trips"]
         n = row["iterations"] if isinstance(row["iterations"], int) else 1
+        kern_us += sub["kernel_time_us"] * n
         flops += sub["flops"] * n
         dev_bytes += sub["device_bytes"] * n
         peak = max(peak, sub["scratchpad_peak_bytes"])
     return {
         "sim_time_us": total,
+        "kernel_time_us": kern_us,
         "kernels": launches,
         "host_round_trips": rts,
         "flops": flops,
@@ -264,7 +268,8 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
         if body["kernels"] == 1 and not body["control"]:
             gap = _launch_gap(kern * 1e-6, card) * 1e6  # (none before the first iteration)
         n = st.length
-        row = {"kind": "scan", "iterations": n, "kernel_us": kern, "iteration_us": kern + gap}
+        row = {"kind": "scan", "iterations": n, "iteration_us": kern + gap}
+        row["kernel_us"] = body["kernel_time_us"]
         row["total_us"] = max(0.0, (kern + gap) * n - gap)
         row |= {"launches": body["kernels"] * n, "host_round_trips": body["host_round_trips"] * n}
     elif isinstance(st, WhileLoop):
@@ -292,6 +297,7 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
 
 def _merge_figures(a: dict, b: dict) -> dict:
     return {
+        "kernel_time_us": a["kernel_time_us"] + b["kernel_time_us"],
         "flops": a["flops"] + b["flops"],
         "device_bytes": a["device_bytes"] + b["device_bytes"],
         "scratchpad_peak_bytes": max(a["scratchpad_peak_bytes"], b["scratchpad_peak_bytes"]),

@@ -605,47 +605,37 @@ def _dot_general(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
 @rule("gather")
 def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     out_shape, dt = _aval(eqn.outvars[0])
-    table, idx = args
+    table, idx = b.as_var(args[0]), b.as_var(args[1])
     p = eqn.params
     dn = p["dimension_numbers"]
     sizes = tuple(int(s) for s in p["slice_sizes"])
     mode = str(p["mode"]).upper()
     sim = tuple(int(d) for d in dn.start_index_map)
-    n_off = len(dn.offset_dims)
+    coll = tuple(int(d) for d in dn.collapsed_slice_dims)
+    obatch = tuple(int(d) for d in dn.operand_batching_dims)
+    ibatch = tuple(int(d) for d in dn.start_indices_batching_dims)
+    # an indexed dim taken whole (its start clamps to 0) is no index at all
+    whole = [c for c, d in enumerate(sim) if d not in coll and sizes[d] == table.shape[d]]
+    if whole and len(idx.shape) >= 1 and idx.shape[-1] == len(sim):
+        cols = [c for c in range(len(sim)) if c not in whole]
+        last = len(idx.shape) - 1
+        idx = b.concat([b.slice_dim(idx, last, c, c + 1) for c in cols], last) if cols else idx
+        sim = tuple(sim[c] for c in cols)
+    rest = [d for d in range(len(table.shape)) if d not in sim and d not in obatch]
+    kept = [d for d in range(len(table.shape)) if d not in coll and d not in obatch]
     ok = (
-        isinstance(table, Var)
-        and len(table.shape) >= 1
-        and sizes[0] == 1
-        and sizes[1:] == table.shape[1:]
-        and 0 in sim
-        and not dn.operand_batching_dims
-        and tuple(dn.offset_dims) == tuple(range(len(out_shape) - n_off, len(out_shape)))
-        and ("FILL" not in mode or sim == (0,))
+        set(coll) <= set(sim)
+        and all(sizes[d] == 1 for d in (*sim, *obatch))
+        and all(sizes[d] == table.shape[d] for d in rest)
+        and len(dn.offset_dims) == len(kept)
+        and len(idx.shape) >= 1
+        and (idx.shape[-1] == len(sim) or not sim)
     )
     if not ok:
         raise LoweringError(
-            f"gather is supported for row lookups (embeddings: table[idx]); got {eqn.params}"
+            "gather is supported where each index names single elements of its dims (the "
+            f"other dims taken whole); got {eqn.params}"
         )
-    col = sim.index(0)
-    idx = b.as_var(idx)
-    lead = idx.shape[:-1]
-    ncols = idx.shape[-1]
-    if ncols != 1:
-        st = (0,) * (len(idx.shape) - 1) + (col,)
-        li = (*lead, col + 1)
-        idx = b.emit(
-            "slice",
-            [idx],
-            (*lead, 1),
-            idx.dtype,
-            starts=st,
-            limits=li,
-            strides=(1,) * len(idx.shape),
-        )
-    nrows = int(np.prod(lead, dtype=np.int64))
-    flat = b.reshape(idx, (nrows,))
-    width = int(np.prod(table.shape[1:], dtype=np.int64))
-    tab2 = b.reshape(table, (table.shape[0], width))
     fill = None
     if "FILL" in mode:
         # JAX's defaults: NaN for floats, the most negative value for signed ints, True for bool
@@ -658,15 +648,21 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
             fill = 1
         else:
             fill = float("nan")
-    g = b.emit(
-        "gather",
-        [tab2, flat],
-        (nrows, width),
-        dt,
-        mode="fill" if "FILL" in mode else "clip",
-        fill_value=fill,
+    out = indexing.gather(
+        b,
+        table,
+        idx,
+        start_index_map=sim,
+        collapsed=coll,
+        offset_dims=tuple(int(d) for d in dn.offset_dims),
+        slice_sizes=sizes,
+        operand_batching=obatch,
+        index_batching=ibatch,
+        out_shape=out_shape,
+        clip="FILL" not in mode,
+        fill=fill,
     )
-    return [b.reshape(g, out_shape)]
+    return [out]
 
 
 # ---------------------------------------------------------------------------------------------

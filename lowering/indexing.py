@@ -267,11 +267,19 @@ def _flat_rows(b: Builder, idx: Var, lead: tuple[int, ...], clip: bool) -> Var:
     """Each update's row of the operand's leading dims ``lead`` from its index ``[M, k]``:
     clamped (``clip``), or -1 where a coordinate is out of range."""
     M, k = idx.shape
-    strides = [math.prod(lead[j + 1 :]) for j in range(k)]
+    return _rows_of(
+        b, [b.reshape(b.slice_dim(idx, 1, j, j + 1), (M,)) for j in range(k)], lead, clip
+    )
+
+
+def _rows_of(b: Builder, coords: list[Var], lead: tuple[int, ...], clip: bool) -> Var:
+    """The row of a table whose rows are ``lead``'s positions (row-major) at coordinates
+    ``coords`` (one ``[M]`` int32 vector per dim of ``lead``): each coordinate clamped into
+    range (``clip``), or the row -1 where one is out of range."""
+    (M,) = coords[0].shape
     terms: list[tuple[Var | Lit, int]] = []
     ok: Var | None = None
-    for j in range(k):
-        c = b.reshape(b.slice_dim(idx, 1, j, j + 1), (M,))
+    for j, c in enumerate(coords):
         if clip:
             c = b.elementwise("max", [c, Lit(0, _I32)], (M,), _I32)
             c = b.elementwise("min", [c, Lit(lead[j] - 1, _I32)], (M,), _I32)
@@ -286,7 +294,7 @@ def _flat_rows(b: Builder, idx: Var, lead: tuple[int, ...], clip: bool) -> Var:
                 "bool",
             )
             ok = inside if ok is None else b.elementwise("and", [ok, inside], (M,), "bool")
-        terms.append((c, strides[j]))
+        terms.append((c, math.prod(lead[j + 1 :])))
     rows = _scaled_sum(b, terms, (M,))
     if ok is None:
         return rows
@@ -384,3 +392,60 @@ def _window_starts(b: Builder, index: Var, col: int, hi: int, away: int, clip: b
     parts = [b.slice_dim(index, len(index.shape) - 1, j, j + 1) for j in range(k)]
     parts[col] = new
     return b.concat(parts, len(index.shape) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# gather
+
+
+def gather(
+    b: Builder,
+    x: Var,
+    index: Var,
+    *,
+    start_index_map: tuple[int, ...],
+    collapsed: tuple[int, ...],
+    offset_dims: tuple[int, ...],
+    slice_sizes: tuple[int, ...],
+    operand_batching: tuple[int, ...],
+    index_batching: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    clip: bool,
+    fill: float | int | None,
+) -> Var:
+    """XLA's gather where each index names single elements of its dims (slice size 1, the dim
+    collapsed), batching dims pair the operand's with the index's, and every other operand dim
+    is taken whole (``table[idx]``, ``jnp.take(x, i, axis=k)``, ``take_along_axis``,
+    ``x[i, j]``). The operand is a table of rows (its batching dims, then its indexed dims; the
+    rest flattened into a row), each output row one ``gather`` by an index computed on the card:
+    clamped (``clip``), or -1 where a coordinate is out of range (the row is ``fill``)."""
+    r = len(x.shape)
+    lead_dims = (*operand_batching, *start_index_map)
+    rest = [d for d in range(r) if d not in lead_dims]
+    lead = tuple(x.shape[d] for d in lead_dims)
+    R, D = math.prod(lead), math.prod(x.shape[d] for d in rest)
+    table = b.reshape(b.transpose(x, (*lead_dims, *rest)), (R, D))
+    bshape = index.shape[:-1]
+    M = math.prod(bshape)
+    coords: list[Var] = []
+    for j in index_batching:  # a batching dim's coordinate is the index array's own position
+        coords.append(b.const(_iota(bshape, j) if bshape else np.zeros(1, np.int32), _I32))
+    idx2 = b.reshape(index, (M, index.shape[-1]))
+    for c in range(len(start_index_map)):
+        coords.append(b.reshape(b.slice_dim(idx2, 1, c, c + 1), (M,)))
+    rows = _rows_of(b, coords, lead, clip) if coords else b.full((M,), 0, _I32)
+    got = b.emit(
+        "gather", [table, rows], (M, D), x.dtype, mode="clip" if clip else "fill", fill_value=fill
+    )
+    # the output: the index's batch dims where no offset dim is, at ``offset_dims`` the dims
+    # not collapsed (those taken whole, and indexed ones kept with size 1)
+    kept = [d for d in range(r) if d not in collapsed and d not in operand_batching]
+    got = b.reshape(got, (*bshape, *(slice_sizes[d] for d in kept)))
+    nb = len(bshape)
+    order = [0] * len(out_shape)
+    batch_pos = [p for p in range(len(out_shape)) if p not in offset_dims]
+    for k, p in enumerate(batch_pos):
+        order[p] = k
+    for k, p in enumerate(offset_dims):
+        order[p] = nb + k
+    return b.reshape(b.transpose(got, tuple(order)), out_shape)

@@ -149,3 +149,19 @@ def test_scatter_of_a_window_clamps_or_drops_it_whole(mode):
         _same(f, X[0], v, np.int32(start))
     _same(lambda x, v: x.at[1:3].set(v), X[0], v)
     _same(lambda x, v: x.at[3:5, 10:20].add(v[:, :10]), X[0], v)
+
+
+_GATHERS = {
+    "take_along_axis_clip": lambda x, i: jnp.take_along_axis(x, i[:, :, None], axis=1, mode="clip"),
+    "take_along_axis_fill": lambda x, i: jnp.take_along_axis(x, i[:, :, None], axis=1),
+    "take_axis1": lambda x, i: jnp.take(x, i[0], axis=1),
+    "take_last_axis_fill": lambda x, i: jnp.take(x, i[0], axis=2, mode="fill", fill_value=-1.0),
+    "two_index_arrays": lambda x, i: x[i[0, 0], i[1]],
+    "index_and_scalar": lambda x, i: x[:, i[0], 3],
+}
+
+
+@pytest.mark.parametrize("name", list(_GATHERS))
+def test_general_gathers(name):
+    i = np.random.default_rng(3).integers(-2, 7, (3, 4)).astype(np.int32)  # some out of range
+    _same(_GATHERS[name], X[:3], i)
