@@ -99,6 +99,9 @@ class ScanLoop:
     xs: tuple[int, ...]
     outputs: tuple[int, ...]
     source: str = ""
+    #: positions in ``carry + xs`` of buffers an enclosing loop hands over (nothing reads them
+    #: after): written in place without a copy on entry
+    donated: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -112,6 +115,8 @@ class WhileLoop:
     carry: tuple[int, ...]
     outputs: tuple[int, ...]
     source: str = ""
+    #: positions in ``carry`` handed over by an enclosing loop (see :class:`ScanLoop`)
+    donated: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -125,7 +130,25 @@ class Branch:
     source: str = ""
 
 
-Step = Call | ScanLoop | WhileLoop | Branch
+@dataclass(frozen=True, slots=True, eq=False)
+class UpdateInPlace:
+    """``update`` written over ``target``'s buffer at the starts (per dim a static start, or
+    None: the next of ``traced``, int32 scalars on the card), each clamped so the update fits:
+    the buffer is the result ``output`` (a loop's own buffer; a device-side copy of the
+    update's bytes only)."""
+
+    target: int
+    update: int
+    starts: tuple[int | None, ...]
+    traced: tuple[int, ...]
+    output: int
+
+    @property
+    def outputs(self) -> tuple[int, ...]:
+        return (self.output,)
+
+
+Step = Call | ScanLoop | WhileLoop | Branch | UpdateInPlace
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -194,6 +217,11 @@ def format_program(p: Program, indent: str = "") -> str:
                 f"body_consts=({_ids(st.body_consts)}), carry=({_ids(st.carry)})){src}"
             )
             lines += [format_program(st.cond, inner), format_program(st.body, inner)]
+        elif isinstance(st, UpdateInPlace):
+            lines.append(
+                f"{indent}  %{st.output} = update_in_place(%{st.target}, %{st.update}; "
+                f"starts={_starts_text(st)})"
+            )
         else:
             lines.append(
                 f"{indent}  {_ids(st.outputs)} = branch(%{st.index}; {_ids(st.operands)}){src}"
@@ -204,14 +232,32 @@ def format_program(p: Program, indent: str = "") -> str:
     return "\n".join(lines)
 
 
+def _starts_text(st: UpdateInPlace) -> str:
+    traced = iter(st.traced)
+    return "(" + ", ".join(str(s) if s is not None else f"%{next(traced)}" for s in st.starts) + ")"
+
+
 # ---------------------------------------------------------------------------------------------
 # figures
 
 
-def _launch_gap(kernel_s: float, card: CardSpec) -> float:
-    """The stream's wait for the host between two enqueued launches of a kernel of
-    ``kernel_s`` (the host launches one kernel per ``host_launch_s``)."""
-    return max(0.0, card.host_launch_s - kernel_s)
+def _update_us(nbytes: int, card: CardSpec) -> float:
+    """A device-side write of ``nbytes`` (read once, written once) at the streaming rate."""
+    return 2 * nbytes / card.memory_bw(0.5) * 1e6
+
+
+def _host_gap_us(body: dict, card: CardSpec) -> float:
+    """The stream's wait for the host per iteration of a static loop whose body (its
+    ``program_cost``) launches ``kernels`` kernels: the host launches one per
+    ``host_launch_s`` and enqueues ahead, so an iteration takes the longer of the two."""
+    return max(0.0, body["kernels"] * card.host_launch_s * 1e6 - body["sim_time_us"])
+
+
+def _while_gap_us(cond: dict, body: dict, card: CardSpec) -> float:
+    """A while loop's iteration: after the predicate is read (its round trip covers the first
+    launch) the host launches the rest of the iteration's kernels one per ``host_launch_s``."""
+    launches = cond["kernels"] + body["kernels"] - 1
+    return max(0.0, launches * card.host_launch_s * 1e6 - cond["sim_time_us"] - body["sim_time_us"])
 
 
 def program_cost(p: Program, card: CardSpec, trips: dict[int, int] | None = None) -> dict:
@@ -226,6 +272,13 @@ def program_cost(p: Program, card: CardSpec, trips: dict[int, int] | None = None
     flops, dev_bytes, peak = 0, 0, 0
     rows: list[dict[str, Any]] = []
     for st in p.steps:
+        if isinstance(st, UpdateInPlace):
+            t = _update_us(p.layouts[st.update].nbytes, card)
+            total += t
+            kern_us += t
+            launches += 1
+            dev_bytes += 2 * p.layouts[st.update].nbytes
+            continue
         if isinstance(st, Call):
             c = kernel_cost(st.kernel, card)
             total += c["sim_time_us"]
@@ -264,9 +317,7 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
     if isinstance(st, ScanLoop):
         body = program_cost(st.body, card, trips)
         kern = body["sim_time_us"]
-        gap = 0.0
-        if body["kernels"] == 1 and not body["control"]:
-            gap = _launch_gap(kern * 1e-6, card) * 1e6  # (none before the first iteration)
+        gap = _host_gap_us(body, card)  # (none before the first iteration)
         n = st.length
         row = {"kind": "scan", "iterations": n, "iteration_us": kern + gap}
         row["kernel_us"] = body["kernel_time_us"]
@@ -274,7 +325,7 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
         row |= {"launches": body["kernels"] * n, "host_round_trips": body["host_round_trips"] * n}
     elif isinstance(st, WhileLoop):
         cond, body = program_cost(st.cond, card, trips), program_cost(st.body, card, trips)
-        it = cond["sim_time_us"] + body["sim_time_us"] + rt_us
+        it = cond["sim_time_us"] + body["sim_time_us"] + rt_us + _while_gap_us(cond, body, card)
         n = trips.get(id(st))
         k = n if n is not None else 1
         row = {"kind": "while", "iterations": n if n is not None else "unknown"}
@@ -291,8 +342,25 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
         row |= {"total_us": worst["sim_time_us"] + rt_us, "launches": worst["kernels"]}
         row |= {"host_round_trips": 1, "branches_us": [c["sim_time_us"] for c in costs]}
         body = worst
+    copied = _entry_copies(st)
+    if copied:  # the buffers the loop writes in place: copied once on entry
+        t = sum(_update_us(st_bytes, card) for st_bytes in copied)
+        row["entry_copy_us"] = t
+        row["total_us"] += t
     row["source"] = st.source
     return row, body
+
+
+def _entry_copies(st: Step) -> list[int]:
+    """The bytes of each buffer a loop copies on entry (those its body writes in place)."""
+    if isinstance(st, ScanLoop):
+        body, first = st.body, len(st.consts)
+    elif isinstance(st, WhileLoop):
+        body, first = st.body, len(st.body_consts)
+    else:
+        return []
+    ks = [k for k in sorted(_in_place_inputs(body)) if k >= first and k - first not in st.donated]
+    return [body.layouts[body.inputs[k]].nbytes for k in ks]
 
 
 def _merge_figures(a: dict, b: dict) -> dict:
@@ -325,24 +393,32 @@ class ProgramRunner:
     view: Callable[[Any, TensorLayout, Any], Any]
     allocate: Callable[[TensorLayout], Any]
     store: Callable[[Any, Any], None]
+    #: ``write(buffer, payload, reads, nbytes)``: ``nbytes`` written over a buffer in place on
+    #: the card (a device-side step); ``copy(buffer)``: a copy of a buffer the loop may change
+    write: Callable[[Any, Any, list[Any], int], None] = lambda b, p, r, n: None
+    copy: Callable[[Any], Any] = lambda b: b
     #: ``trace(on)``: recording of the timeline's steps resumed (True) or paused (False);
     #: returns the current stream's time. ``note(name, start, end)``: a summary span.
     trace: Callable[[bool], float] = lambda on: 0.0
     note: Callable[[str, float, float], None] = lambda name, start, end: None
     #: iterations of each while loop's last run, by the step's id
     trips: dict[int, int] = field(default_factory=dict)
-    _gaps: dict[int, float] = field(default_factory=dict)
+    _gaps: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: a scan's slice views -> (the stacked buffer, the slice): an in-place write goes through
+    _views: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
-    def _gap(self, body: Program) -> float:
-        """The stream's wait for the host between iterations of a one-kernel body."""
-        if not (len(body.steps) == 1 and isinstance(body.steps[0], Call)):
-            return 0.0
-        k = body.steps[0].kernel
-        g = self._gaps.get(id(k))
+    def _gap(self, body: Program, cond: Program | None = None) -> float:
+        """Seconds the stream waits for the host per iteration of a loop of ``body`` (a while
+        loop: after its predicate's round trip, ``cond`` and ``body`` launched)."""
+        key = (id(body), id(cond))
+        g = self._gaps.get(key)
         if g is None:
-            g = self._gaps[id(k)] = _launch_gap(
-                kernel_cost(k, self.card)["sim_time_us"] * 1e-6, self.card
-            )
+            b = program_cost(body, self.card)
+            if cond is None:
+                g = _host_gap_us(b, self.card) * 1e-6
+            else:
+                g = _while_gap_us(program_cost(cond, self.card), b, self.card) * 1e-6
+            self._gaps[key] = g
         return g
 
     def _traced(self, n: int, muted_at: list[float]) -> None:
@@ -369,19 +445,44 @@ class ProgramRunner:
                 outs = self._scan(st, env)
             elif isinstance(st, WhileLoop):
                 outs = self._while(st, env)
+            elif isinstance(st, UpdateInPlace):
+                outs = [self._update(st, env, p)]
             else:
                 outs = self._branch(st, env)
             env.update(zip(st.outputs, outs, strict=True))
         return [env[o] for o in p.outputs]
 
+    def _update(self, st: UpdateInPlace, env: dict[int, Any], p: Program) -> Any:
+        """``st`` on the card: the target buffer, now holding the update."""
+        buf, upd = env[st.target], env[st.update]
+        traced = iter(st.traced)
+        starts = [s if s is not None else env[next(traced)] for s in st.starts]
+        new = _updated(_array(buf), _array(upd), starts, p.layouts[st.target], p.layouts[st.update])
+        reads = [upd] + [env[t] for t in st.traced]
+        self.write(buf, new, reads, p.layouts[st.update].nbytes)
+        through = self._views.get(id(buf))
+        if through is not None:  # a slice of a stacked buffer: the stacked buffer changes too
+            import jax.numpy as jnp
+
+            base, i = through
+            self.store(base, jnp.asarray(_array(base)).at[i].set(new))
+        return buf
+
     def _scan(self, st: ScanLoop, env: dict[int, Any]) -> list[Any]:
         body, nk = st.body, len(st.carry)
+        nc = len(st.consts)
         consts = [env[i] for i in st.consts]
-        carry = [env[i] for i in st.carry]
-        xs = [(env[i], _array(env[i])) for i in st.xs]
-        x_lays = [body.layouts[v] for v in body.inputs[len(consts) + nk :]]
+        mine = _in_place_inputs(body)  # the body's inputs it writes in place: the loop's copies
+        own = [(nc + k in mine) and k not in st.donated for k in range(nk + len(st.xs))]
+        carry = [self.copy(env[v]) if own[k] else env[v] for k, v in enumerate(st.carry)]
+        xs_bufs = [self.copy(env[v]) if own[nk + k] else env[v] for k, v in enumerate(st.xs)]
+        x_lays = [body.layouts[v] for v in body.inputs[nc + nk :]]
         y_lays = [body.layouts[v] for v in body.outputs[nk:]]
-        ys = [self.allocate(_stacked(lay, st.length)) for lay in y_lays]
+        alias = _stacked_aliases(body, nc, nk)  # ys written in place into a stacked input
+        ys = [
+            xs_bufs[alias[j]] if j in alias else self.allocate(_stacked(lay, st.length))
+            for j, lay in enumerate(y_lays)
+        ]
         parts: list[list[Any]] = [[] for _ in ys]
         gap = self._gap(body)
         order = range(st.length - 1, -1, -1) if st.reverse else range(st.length)
@@ -389,26 +490,37 @@ class ProgramRunner:
         try:
             for n, i in enumerate(order):
                 self._traced(n, muted)
-                xv = [
-                    self.view(b, lay, _slice(a, i, lay))
-                    for (b, a), lay in zip(xs, x_lays, strict=True)
-                ]
+                xv = []
+                for b, lay in zip(xs_bufs, x_lays, strict=True):
+                    v = self.view(b, lay, _slice(_array(b), i, lay))
+                    self._views[id(v)] = (b, i)
+                    xv.append(v)
                 if gap and n:
                     self.host_sync(f"host launches iteration {n} of the scan", gap)
-                outs = self.run(body, consts + carry + xv)
+                try:
+                    outs = self.run(body, consts + carry + xv)
+                finally:
+                    for v in xv:
+                        self._views.pop(id(v), None)
                 carry = outs[:nk]
                 for j, y in enumerate(outs[nk:]):
-                    parts[j].append(_array(y))
+                    if j not in alias:
+                        parts[j].append(_array(y))
         finally:
             self._summary(f"scan at {st.source}", st.length, muted)
-        for buf, lay, got in zip(ys, y_lays, parts, strict=True):
-            self.store(buf, _stack(got[::-1] if st.reverse else got, lay, st.length))
+        for j, (buf, lay, got) in enumerate(zip(ys, y_lays, parts, strict=True)):
+            if j not in alias:
+                self.store(buf, _stack(got[::-1] if st.reverse else got, lay, st.length))
         return carry + ys
 
     def _while(self, st: WhileLoop, env: dict[int, Any]) -> list[Any]:
         cc = [env[i] for i in st.cond_consts]
         bc = [env[i] for i in st.body_consts]
-        carry = [env[i] for i in st.carry]
+        mine, nb = _in_place_inputs(st.body), len(bc)
+        carry = [
+            self.copy(env[v]) if nb + k in mine and k not in st.donated else env[v]
+            for k, v in enumerate(st.carry)
+        ]
         limit = max_iterations()
         rt = self.card.host_round_trip_s + self.card.host_launch_s
         n = 0
@@ -418,7 +530,8 @@ class ProgramRunner:
                 self._traced(n, muted)
                 (pred,) = self.run(st.cond, cc + carry)
                 go = bool(self.read_scalar(pred))
-                self.host_sync(f"host reads the while loop's predicate ({n})", rt)
+                gap = self._gap(st.body, st.cond) if go else 0.0
+                self.host_sync(f"host reads the while loop's predicate ({n})", rt + gap)
                 if not go:
                     break
                 if n >= limit:
@@ -441,6 +554,47 @@ class ProgramRunner:
         )
         i = min(max(i, 0), len(st.branches) - 1)  # clamped, as JAX does
         return self.run(st.branches[i], [env[o] for o in st.operands])
+
+
+def _in_place_inputs(p: Program) -> frozenset[int]:
+    """The positions of ``p``'s inputs it writes in place (the loop running it copies them)."""
+    pos = {v: k for k, v in enumerate(p.inputs)}
+    return frozenset(
+        pos[st.target] for st in p.steps if isinstance(st, UpdateInPlace) and st.target in pos
+    )
+
+
+def _stacked_aliases(p: Program, nc: int, nk: int) -> dict[int, int]:
+    """A scan body's stacked outputs that are its slices of a stacked input written in place
+    (``nc`` consts, ``nk`` carries): output ``j`` after the carry -> the stacked input's index.
+    Such an output is the stacked input's buffer itself: nothing is stacked for it."""
+    root: dict[int, int] = {}
+    for st in p.steps:
+        if isinstance(st, UpdateInPlace):
+            root[st.output] = root.get(st.target, st.target)
+    xs = {v: k for k, v in enumerate(p.inputs[nc + nk :])}
+    out: dict[int, int] = {}
+    for j, y in enumerate(p.outputs[nk:]):
+        k = xs.get(root.get(y, -1))
+        if k is not None and k not in out.values():
+            out[j] = k
+    return out
+
+
+def _updated(x: Any, u: Any, starts: list[Any], lx: TensorLayout, lu: TensorLayout) -> Any:
+    """``x`` (device layout) with ``u`` (device layout) written at ``starts`` (ints or scalar
+    buffers), each clamped so that the update's logical extent fits ``x``'s."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    if not lx.shape:
+        return jnp.asarray(u)
+    st = []
+    for s, n, w in zip(starts, lx.shape, lu.shape, strict=True):
+        v = s if isinstance(s, int) else jnp.asarray(_array(s))[0]
+        st.append(jnp.clip(jnp.asarray(v, jnp.int32), 0, n - w))
+    body = jnp.asarray(u)[..., : lu.shape[-1]]
+    return lax.dynamic_update_slice(jnp.asarray(x), body.astype(jnp.asarray(x).dtype), st)
 
 
 def _stacked(lay: TensorLayout, n: int) -> TensorLayout:
@@ -528,7 +682,14 @@ class LoadedProgram:
             store=lambda b, payload: b.store(payload, shared=False),
             trace=self._trace,
             note=self._note,
+            write=self._write,
+            copy=_copy_of,
         )
+
+    def _write(self, buf: Any, payload: Any, reads: list[Any], nbytes: int) -> None:
+        lay = buf.layout
+        buf.store(payload, shared=False)
+        rtm.device_copy(f"update in place {lay.dtype}{list(lay.shape)}", reads, [buf], nbytes)
 
     def _note(self, name: str, start: float, end: float) -> None:
         q = self.rt.queues

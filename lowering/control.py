@@ -14,10 +14,11 @@ every iteration), up to :data:`UNROLL_MAX_NODES` nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from device_model.card import CardSpec
-from device_model.hostprog import Branch, Call, Program, ScanLoop, WhileLoop
+from device_model.hostprog import Branch, Call, Program, ScanLoop, UpdateInPlace, WhileLoop
 from device_model.kernel import Kernel
 from device_model.layout import layout_for
 from device_model.timing import kernel_cost
@@ -45,11 +46,17 @@ Compile = Callable[[Graph, CardSpec], Kernel]
 
 
 def lower_program(
-    g: Graph, card: CardSpec, compile_graph: Compile, notes: list[dict] | None = None
+    g: Graph,
+    card: CardSpec,
+    compile_graph: Compile,
+    notes: list[dict] | None = None,
+    owned: frozenset[int] = frozenset(),
 ) -> Program:
     """``g`` as a host program: its straight-line pieces compiled by ``compile_graph``, its
     loops and branches with their bodies lowered once (each body's scans unrolled first where
-    better: :func:`unroll_scans`; the caller does so for ``g``)."""
+    better: :func:`unroll_scans`; the caller does so for ``g``). ``owned``: the inputs a loop
+    owns (its carry, its stacked inputs' slices): an ``update_slice`` of one that nothing
+    reads after becomes an :class:`~device_model.hostprog.UpdateInPlace` step."""
     layouts = {}
     for v in _all_vars(g):
         layouts[v.id] = layout_for(v.shape, v.dtype, card.stick_bytes)
@@ -66,7 +73,17 @@ def lower_program(
                 steps.append(call)
             run.clear()
 
+    owned = set(owned)
+    outs = {v.id for v in g.outputs}
     for i, n in enumerate(g.nodes):
+        if n.op == "update_slice" and _in_place(n, i, owned, last_use, outs):
+            flush(i)
+            x, upd, *traced = n.inputs
+            steps.append(
+                UpdateInPlace(x.id, upd.id, n.params.starts, tuple(v.id for v in traced), n.out.id)
+            )
+            owned.add(n.out.id)
+            continue
         if n.op not in CONTROL_OPS:
             run.append(n)
             continue
@@ -74,7 +91,17 @@ def lower_program(
         for v in n.inputs:
             if v.id in const_of:
                 prog_consts[v.id] = const_of[v.id][1]
-        steps.append(_control(n, card, compile_graph, notes))
+        step = _control(n, card, compile_graph, notes)
+        if n.op in ("scan", "while"):  # the loop's own buffers an enclosing loop hands over
+            first = _carry_start(n)
+            donated = frozenset(
+                k - first
+                for k, v in enumerate(n.inputs)
+                if k >= first and v.id in owned and last_use.get(v.id) == i and v.id not in outs
+            )
+            step = dataclasses.replace(step, donated=donated)
+        steps.append(step)
+        owned.update(v.id for v in n.outputs)
     flush(len(g.nodes))
     for v in g.outputs:
         if v.id in const_of:
@@ -87,6 +114,19 @@ def lower_program(
         tuple(v.id for v in g.outputs),
         layouts,
     )
+
+
+def _carry_start(n: Node) -> int:
+    """Where a loop node's carry starts among its inputs (after its consts)."""
+    p = n.params
+    return p.num_consts if n.op == "scan" else p.cond_nconsts + p.body_nconsts
+
+
+def _in_place(n: Node, i: int, owned: set[int], last_use: dict[int, int], outs: set[int]) -> bool:
+    """Whether update ``n`` (node ``i``) may write its operand in place: the loop owns it, this
+    is its last reader and the graph does not return it."""
+    x = n.inputs[0]
+    return x.id in owned and last_use.get(x.id) == i and x.id not in outs
 
 
 def _all_vars(g: Graph) -> list[Var]:
@@ -144,10 +184,16 @@ def _segment(
 
 
 def _lower_body(
-    g: Graph, card: CardSpec, compile_graph: Compile, notes: list[dict] | None
+    g: Graph,
+    card: CardSpec,
+    compile_graph: Compile,
+    notes: list[dict] | None,
+    first_owned: int = -1,
 ) -> Program:
+    """A body's program; its inputs from ``first_owned`` on (when given) are the loop's own."""
     g = unroll_scans(g, card, compile_graph, notes)
-    return lower_program(g, card, compile_graph, notes)
+    owned = frozenset(v.id for v in g.inputs[first_owned:]) if first_owned >= 0 else frozenset()
+    return lower_program(g, card, compile_graph, notes, owned)
 
 
 def _control(
@@ -159,7 +205,7 @@ def _control(
     if n.op == "scan":
         nc, nk = p.num_consts, p.num_carry
         return ScanLoop(
-            _lower_body(p.body, card, compile_graph, notes),
+            _lower_body(p.body, card, compile_graph, notes, nc),
             p.length,
             p.reverse,
             ins[:nc],
@@ -172,7 +218,7 @@ def _control(
         cn, bn = p.cond_nconsts, p.body_nconsts
         return WhileLoop(
             _lower_body(p.cond, card, compile_graph, notes),
-            _lower_body(p.body, card, compile_graph, notes),
+            _lower_body(p.body, card, compile_graph, notes, bn),
             ins[:cn],
             ins[cn : cn + bn],
             ins[cn + bn :],

@@ -240,7 +240,7 @@ def _vars_of(b: Builder, xs: Any) -> list[Var]:
 
 def _cond_hop(b: Builder, node: torch.fx.Node, pred: Any, t: Any, f: Any, ops: Any) -> tuple:
     idx = b.emit("convert", [b.as_var(pred)], (), "int32", dtype="int32")
-    branches = (from_fx(f, "branch_false"), from_fx(t, "branch_true"))  # index 0: false
+    branches = (from_fx(f, "branch0"), from_fx(t, "branch1"))  # index 0: false (as JAX's)
     return tuple(b.emit_many("cond", [idx, *_vars_of(b, ops)], _out_types(node), branches=branches))
 
 

@@ -741,7 +741,13 @@ def _dynamic_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
 def _dynamic_update_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     x, upd = b.as_var(args[0]), args[1]
     upd = b.as_var(upd, _aval(eqn.invars[1])[0]) if isinstance(upd, Lit) else upd
-    return [indexing.dynamic_update_slice(b, x, upd, list(args[2:]))]
+    starts = tuple(int(a.value) if isinstance(a, Lit) else None for a in args[2:])
+    traced = [
+        a if a.dtype == "int32" else b.emit("convert", [a], (), "int32", dtype="int32")
+        for a in args[2:]
+        if not isinstance(a, Lit)
+    ]
+    return [b.emit("update_slice", [x, upd, *traced], x.shape, x.dtype, starts=starts)]
 
 
 @rule("rev")

@@ -337,6 +337,19 @@ def _r_cond(n: Node) -> list:
     return _types(first.outputs)
 
 
+def _r_update_slice(n: Node) -> list:
+    x, upd, *starts = n.inputs
+    st = n.params.starts
+    _need(len(st) == len(x.shape), "update_slice: one start per dim")
+    _need(len(starts) == sum(s is None for s in st), "update_slice: one input per traced start")
+    _need(all(s.shape == () and s.dtype == "int32" for s in starts), "update_slice: int32 starts")
+    _need(
+        upd.dtype == x.dtype and len(upd.shape) == len(x.shape), "update_slice: the update's type"
+    )
+    _need(all(u <= d for u, d in zip(upd.shape, x.shape, strict=True)), "update_slice: too big")
+    return [(x.shape, x.dtype)]
+
+
 _RULES: dict[str, Callable[[Node], list]] = {
     "elementwise": _r_elementwise,
     "convert": _r_convert,
@@ -352,6 +365,7 @@ _RULES: dict[str, Callable[[Node], list]] = {
     "scan": _r_scan,
     "while": _r_while,
     "cond": _r_cond,
+    "update_slice": _r_update_slice,
 }
 
 

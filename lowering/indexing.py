@@ -20,9 +20,18 @@ from device_model.layout import np_dtype
 from device_model.ops import REDUCTIONS
 
 from .builder import Builder, Lit
-from .graph import Var
+from .graph import Graph, Node, Var
 
-__all__ = ["dynamic_slice", "dynamic_update_slice", "reverse", "scatter", "SCATTER_KINDS"]
+__all__ = [
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "expand_updates",
+    "gather",
+    "reverse",
+    "scatter",
+    "scatter_windows",
+    "SCATTER_KINDS",
+]
 
 _I32 = "int32"
 
@@ -433,7 +442,10 @@ def gather(
     idx2 = b.reshape(index, (M, index.shape[-1]))
     for c in range(len(start_index_map)):
         coords.append(b.reshape(b.slice_dim(idx2, 1, c, c + 1), (M,)))
-    rows = _rows_of(b, coords, lead, clip) if coords else b.full((M,), 0, _I32)
+    if len(coords) == 1:  # the rows themselves: the gather clamps them, or fills
+        rows = coords[0]
+    else:
+        rows = _rows_of(b, coords, lead, clip) if coords else b.full((M,), 0, _I32)
     got = b.emit(
         "gather", [table, rows], (M, D), x.dtype, mode="clip" if clip else "fill", fill_value=fill
     )
@@ -449,3 +461,26 @@ def gather(
     for k, p in enumerate(offset_dims):
         order[p] = nb + k
     return b.reshape(b.transpose(got, tuple(order)), out_shape)
+
+
+def expand_updates(g: Graph) -> Graph:
+    """``g`` with each ``update_slice`` node as the gather and select of
+    :func:`dynamic_update_slice` (what a kernel computes); the graph's other nodes as they are."""
+    if not any(n.op == "update_slice" for n in g.nodes):
+        return g
+    b = Builder()
+    rename: dict[int, Var] = {}
+    consts = list(g.consts)
+    for n in g.nodes:
+        ins = [rename.get(v.id, v) for v in n.inputs]
+        if n.op != "update_slice":
+            b.nodes.append(Node(n.op, tuple(ins), n.outputs, n.params, n.source))
+            continue
+        b.source = n.source
+        x, upd, *traced = ins
+        it = iter(traced)
+        starts = [Lit(s, _I32) if s is not None else next(it) for s in n.params.starts]
+        rename[n.out.id] = dynamic_update_slice(b, x, upd, starts)
+    consts += b.consts
+    outs = tuple(rename.get(v.id, v) for v in g.outputs)
+    return Graph(g.name, g.inputs, tuple(b.nodes), outs, tuple(consts))

@@ -41,6 +41,7 @@ __all__ = [
     "Scan",
     "While",
     "Cond",
+    "UpdateSlice",
     "PARAMS",
     "GATHER_MODES",
     "make_params",
@@ -361,6 +362,23 @@ class Cond(Params):
         return (("branches", tuple(g.name for g in self.branches)),)
 
 
+@dataclass(frozen=True, slots=True)
+class UpdateSlice(Params):
+    """``lax.dynamic_update_slice``: the node's inputs are the operand, the update and one
+    int32 scalar per traced start; ``starts`` has per dim its static start, or None where the
+    start is the next of those inputs. Every start is clamped so the update fits, as JAX does.
+    Kept as one node so that a loop may write a carried buffer in place
+    (:mod:`lowering.control`); inside a kernel it is a gather and a select
+    (:func:`lowering.indexing.expand_updates`)."""
+
+    starts: tuple[int | None, ...]
+
+    def check(self, op: str) -> None:
+        ok = isinstance(self.starts, tuple)
+        ok = ok and all(s is None or type(s) is int for s in self.starts)
+        _need(ok, f"{op}: starts={self.starts!r} is not a tuple of ints and Nones")
+
+
 def _with_graphs(p: Params, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     """The printer's items with each graph shown by its name (its body printed below)."""
     graphs = {id(g) for g in p.subgraphs()}
@@ -383,6 +401,7 @@ PARAMS: dict[str, type[Params]] = {
     "scan": Scan,
     "while": While,
     "cond": Cond,
+    "update_slice": UpdateSlice,
 }
 
 

@@ -19,6 +19,7 @@ from device_model.kernel import Kernel, check_kernel, format_kernel
 from device_model.timing import kernel_cost
 
 from .graph import Graph, Var, check_graph
+from .indexing import expand_updates
 from .matmul_passes import (
     fuse_epilogue,
     narrow_matmul,
@@ -90,6 +91,7 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
     fused matmul that the tiler cannot fit in whole blocks back into its map and matmul."""
     fits = functools.partial(map_fits, card=card)
     return (
+        ("expand_updates", expand_updates),
         ("nt_matmul", nt_matmul),
         ("swap_matmul", swap_matmul),
         ("narrow_matmul", narrow_matmul),

@@ -96,6 +96,16 @@ def test_program_emitters_agree_with_each_other_on_cpu():
         assert_close(a, b)
 
 
+def test_programs_with_loops_and_branches_agree_across_frontends():
+    # a loop (fori_loop / while_loop) and a cond (lax.cond / torch.cond) on all four paths,
+    # the cond's predicate both ways
+    prog = [("loop", 0, 3, "tanh"), ("cond", 1, "square", "neg"), ("binary", 2, "add", 0, True)]
+    run_program(Case(5, 65, prog, 0))
+    run_program(Case(3, 7, [("unary", 0, "abs"), ("cond", 1, "scale", "relu")], 1))  # true
+    neg = [("unary", 0, "abs"), ("unary", 1, "neg"), ("cond", 2, "tanh", "exp_clip")]
+    run_program(Case(3, 7, neg, 2))  # the sum below zero: the false branch
+
+
 @pytest.mark.slow
 def test_the_net_catches_a_planted_lowering_bug(monkeypatch):
     # the torch importer's rule for aten.tanh computes 1.01 * tanh(x): the real rule, times a

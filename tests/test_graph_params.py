@@ -62,6 +62,7 @@ def test_every_op_has_a_params_class():
         "scan",
         "while",
         "cond",
+        "update_slice",
     }
     assert all(issubclass(c, Params) for c in PARAMS.values())
 

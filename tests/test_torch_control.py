@@ -80,3 +80,21 @@ def test_flip():
     x = _rand(3, 5, 70)
     for dims in ([0], [2], [0, 1, 2]):
         _check(lambda x, d=dims: x.flip(d), x)
+
+
+def test_the_difftest_tool_compares_branches_and_their_bodies():
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from spyre_jax.tools.testing import assert_frontends_agree
+
+    def jf(x):
+        return lax.cond(jnp.sum(x) > 0, lambda v: jnp.tanh(v), lambda v: v * 2, x)
+
+    def tf(x):
+        return torch.cond(x.sum() > 0, lambda v: torch.tanh(v), lambda v: v * 2, (x,))
+
+    x = np.random.default_rng(0).standard_normal((3, 65)).astype(np.float32)
+    rep = assert_frontends_agree(jf, tf, [x], check_graphs="raise")
+    assert rep.graphs_equal  # the same cond node, each branch's body canonicalized alike

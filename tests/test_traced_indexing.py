@@ -165,3 +165,90 @@ _GATHERS = {
 def test_general_gathers(name):
     i = np.random.default_rng(3).integers(-2, 7, (3, 4)).astype(np.int32)  # some out of range
     _same(_GATHERS[name], X[:3], i)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-place updates of a loop's own buffers
+
+
+def _cache_decode(q0, k_new):
+    def step(i, c):
+        kc, q = c
+        kc = lax.dynamic_update_slice(kc, k_new[i][None], (i, 0))
+        return kc, jnp.tanh(kc.sum(0) * 0.1 + q)
+
+    return lax.fori_loop(0, 10, step, (jnp.zeros((64, 70)), q0))
+
+
+def test_a_carried_cache_is_written_in_place():
+    r = np.random.default_rng(0)
+    args = (
+        r.standard_normal(70).astype(np.float32),
+        r.standard_normal((10, 70)).astype(np.float32),
+    )
+    f = spyre_jax.jit(_cache_decode)
+    assert_tree_close(f(*args), jax.jit(_cache_decode)(*args), k=64)
+    low = f.lower(*args)
+    assert "update_in_place" in low.as_text()
+    with spyre_jax.profile(print_summary=False) as prof:
+        np.asarray(f(*args)[0])
+    writes = [s for s in prof.records if s.name.startswith("update in place")]
+    assert len(writes) == 10
+    assert all(s.nbytes == 3 * 128 for s in writes)  # a row of 70 fp32 (3 sticks), not 64 rows
+
+
+def test_an_input_carried_and_written_in_place_is_left_unchanged():
+    def f(c, rows):
+        def step(i, c):
+            return lax.dynamic_update_slice(c, rows[i][None], (i, 0))
+
+        return lax.fori_loop(0, 3, step, c)
+
+    c = spyre_jax.device_put(np.zeros((4, 70), np.float32))
+    rows = np.ones((3, 70), np.float32)
+    out = spyre_jax.jit(f)(c, rows)
+    assert np.asarray(out)[:3].sum() == 3 * 70 and np.asarray(c).sum() == 0  # a copy was written
+
+
+def test_an_update_whose_operand_is_read_after_is_not_in_place():
+    def f(c, rows):
+        def step(i, c):
+            new = lax.dynamic_update_slice(c, rows[i][None], (i, 0))
+            return new + c.sum() * 0.01  # the old value read after the update
+
+        return lax.fori_loop(0, 3, step, c)
+
+    args = (np.full((4, 70), 0.5, np.float32), np.ones((3, 70), np.float32))
+    low = spyre_jax.jit(f).lower(*args)
+    assert "update_in_place" not in low.as_text()
+    assert_tree_close(spyre_jax.jit(f)(*args), jax.jit(f)(*args), k=280)
+
+
+def test_stacked_caches_scanned_over_layers_are_written_in_place(monkeypatch):
+    from lowering import control
+
+    monkeypatch.setattr(control, "UNROLL_MAX_NODES", 0)  # the layers kept a loop
+
+    # the decode pattern of scan-over-layers models: per-layer caches are stacked inputs of the
+    # layer scan, each written at the position and returned as the stacked output
+    def f(kc, x, w):
+        def layer(h, xs):
+            w_l, k_l = xs
+            k_l = lax.dynamic_update_slice(k_l, (h @ w_l)[None], (3, 0))
+            return jnp.tanh(h + k_l.sum(0) * 0.1), k_l
+
+        def tok(i, c):
+            h, kc = c
+            return lax.scan(layer, h, (w, kc))
+
+        return lax.fori_loop(0, 2, tok, (x, kc))
+
+    r = np.random.default_rng(1)
+    args = (
+        np.zeros((2, 8, 64), np.float32),
+        r.standard_normal(64).astype(np.float32),
+        (r.standard_normal((2, 64, 64)) / 8).astype(np.float32),
+    )
+    assert_tree_close(spyre_jax.jit(f)(*args), jax.jit(f)(*args), k=64)
+    text = spyre_jax.jit(f).lower(*args).as_text()
+    assert text.count("update_in_place") == 1

@@ -9,7 +9,10 @@ always of shape ``[rows, cols]``, so every program is valid in both frontends. T
 are ``row`` (``[1, cols]``, broadcast against a value) and the weight ``w``: ``[cols, cols]``
 (``k == 0``; a matmul step is ``v @ w``) or ``[cols, k]`` (``k > 0``; a matmul step is
 ``(v @ w) @ w.T``: a reduction over ``cols`` into ``k``, then ``k`` back out to ``cols``, as a
-tied-embedding LM head does with a ``[vocab, d]`` table).
+tied-embedding LM head does with a ``[vocab, d]`` table). Control flow too: a loop step applies
+a unary op 1-3 times in a loop of each frontend's (``lax.fori_loop``; torch's ``while_loop``
+with a counter), a cond step one of two unary ops by the sign of the value's sum
+(``lax.cond``; ``torch.cond``).
 
 Shapes (:func:`programs`): most programs have small odd shapes (1, 3, 63, 65, 100: partial sticks
 and tiles); with ``real_shapes="mix"`` about one in :data:`REAL_ONE_IN` (``"only"``: all) has a
@@ -189,12 +192,36 @@ def _emit(program: list[tuple], lib: str) -> Callable[..., Any]:
             elif kind == "reshape":
                 r, c = v.shape
                 out = v.reshape(r * c).reshape(r, c)
+            elif kind == "loop":  # a fori_loop (JAX) or while_loop (torch) of a unary op
+                out = _loop(J, step[2], lambda c, op=step[3]: unary(op, c), v)
+            elif kind == "cond":  # on the sign of the value's sum
+                out = _cond(
+                    J, lambda c, op=step[2]: unary(op, c), lambda c, op=step[3]: unary(op, c), v
+                )
             else:
                 raise AssertionError(kind)
             vals.append(out)
         return vals[-1]
 
     return fn
+
+
+def _loop(J: bool, n: int, f: Callable[[Any], Any], v: Any) -> Any:
+    """``n`` applications of ``f`` as a loop of the frontend's: JAX's ``fori_loop``, torch's
+    ``while_loop`` with a counter."""
+    if J:
+        return jax.lax.fori_loop(0, n, lambda i, c: f(c), v)
+    from torch._higher_order_ops.while_loop import while_loop
+
+    body = lambda i, c: (i + 1, f(c))  # noqa: E731
+    return while_loop(lambda i, c: i < n, body, (torch.tensor(0), v))[1]
+
+
+def _cond(J: bool, f: Callable[[Any], Any], g: Callable[[Any], Any], v: Any) -> Any:
+    """``f(v)`` where ``v`` sums above zero, else ``g(v)``: ``lax.cond`` / ``torch.cond``."""
+    if J:
+        return jax.lax.cond(jnp.sum(v) > 0, f, g, v)
+    return torch.cond(v.sum() > 0, f, g, (v,))
 
 
 def _inputs(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -269,6 +296,8 @@ _step = st.one_of(
     st.tuples(st.just("matmul"), _IDX),
     st.tuples(st.just("transpose2"), _IDX),
     st.tuples(st.just("reshape"), _IDX),
+    st.tuples(st.just("loop"), _IDX, st.integers(1, 3), st.sampled_from(UNARY)),
+    st.tuples(st.just("cond"), _IDX, st.sampled_from(UNARY), st.sampled_from(UNARY)),
 )
 
 
@@ -304,7 +333,7 @@ def programs(draw: Any, real_shapes: str = "mix") -> Case:
 
 
 def _simpler_steps(step: tuple) -> list[tuple]:
-    first = {"unary": UNARY[0], "binary": BINARY[0], "reduce": REDUCE[0]}
+    first = {"unary": UNARY[0], "binary": BINARY[0], "reduce": REDUCE[0], "cond": UNARY[0]}
     out = []
     if step[1] != 0:
         out.append((step[0], 0, *step[2:]))

@@ -25,6 +25,7 @@ bfloat16 1.6e-1; integers and bools exact. ``k=``/``chain=`` or ``rtol=``/``atol
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import warnings
@@ -217,10 +218,7 @@ def canonical_graph(graph: Any) -> str:
     immediates normalized to float32 (``2`` and ``2.0``, ``0.70710677`` and
     ``0.7071067811865475`` print alike), after the graph passes (to_maps, fuse_maps, dce), so two
     frontends' graphs of the same computation compare equal."""
-    g = graph
-    for _, fn in graph_passes(runtime().card):
-        g = fn(g)
-    text = format_graph(g)
+    text = format_graph(_passed(graph))
     ids: dict[str, str] = {}
 
     def rename(m: re.Match) -> str:
@@ -234,6 +232,24 @@ def canonical_graph(graph: Any) -> str:
         ln = re.sub(r"-?\d+\.\d+(?:e[-+]?\d+)?|(?<=[\[(, ])-?\d+(?=[\]),])", _norm_num, ln)
         lines.append(ln)
     return "\n".join(lines)
+
+
+def _passed(g: Any) -> Any:
+    """``g`` after the graph passes, and so is every body a loop or a branch of it holds."""
+    for _, fn in graph_passes(runtime().card):
+        g = fn(g)
+    nodes = []
+    for n in g.nodes:
+        p = n.params
+        if p.subgraphs():
+            fields = {f: getattr(p, f) for f in ("body", "cond", "branches") if hasattr(p, f)}
+            new = {
+                f: tuple(_passed(b) for b in v) if isinstance(v, tuple) else _passed(v)
+                for f, v in fields.items()
+            }
+            n = dataclasses.replace(n, params=dataclasses.replace(p, **new))
+        nodes.append(n)
+    return dataclasses.replace(g, nodes=tuple(nodes))
 
 
 _REG = re.compile(r"^r(\d+)=([a-z_]+)(\[[^\]]*\])?\(([^)]*)\):(\w+)$")
