@@ -34,7 +34,7 @@ CONTROL_OPS = frozenset({"scan", "while", "cond"})
 
 #: a scan is unrolled by the compiler's choice only when its unrolled body has at most this many
 #: nodes (the unrolled graph compiles as one kernel: its compile time grows with it)
-UNROLL_MAX_NODES = 96
+UNROLL_MAX_NODES = 512
 
 
 def has_control(g: Graph) -> bool:
@@ -76,7 +76,7 @@ def lower_program(
     owned = set(owned)
     outs = {v.id for v in g.outputs}
     for i, n in enumerate(g.nodes):
-        if n.op == "update_slice" and _in_place(n, i, owned, last_use, outs):
+        if n.op == "update_slice" and _in_place(n, i, owned, last_use, outs, layouts, card, notes):
             flush(i)
             x, upd, *traced = n.inputs
             steps.append(
@@ -122,11 +122,32 @@ def _carry_start(n: Node) -> int:
     return p.num_consts if n.op == "scan" else p.cond_nconsts + p.body_nconsts
 
 
-def _in_place(n: Node, i: int, owned: set[int], last_use: dict[int, int], outs: set[int]) -> bool:
-    """Whether update ``n`` (node ``i``) may write its operand in place: the loop owns it, this
-    is its last reader and the graph does not return it."""
+def _in_place(
+    n: Node,
+    i: int,
+    owned: set[int],
+    last_use: dict[int, int],
+    outs: set[int],
+    layouts: dict,
+    card: CardSpec,
+    notes: list[dict] | None,
+) -> bool:
+    """Whether update ``n`` (node ``i``) writes its operand in place: the loop owns it, this is
+    its last reader, the graph does not return it, and the timing model says so: in place, the
+    kernel is cut in two (one more launch, ``host_launch_s``); in the kernel, the operand is
+    read and written whole (twice its bytes at the streaming rate)."""
     x = n.inputs[0]
-    return x.id in owned and last_use.get(x.id) == i and x.id not in outs
+    if not (x.id in owned and last_use.get(x.id) == i and x.id not in outs):
+        return False
+    copy_us = 2 * layouts[x.id].nbytes / card.memory_bw(0.5) * 1e6
+    launch_us = card.host_launch_s * 1e6
+    if notes is not None:
+        where = "in place" if copy_us > launch_us else "in the kernel (copied whole)"
+        notes.append(
+            {"kind": "update", "source": n.source, "decision": where}
+            | {"copy_us": copy_us, "launch_us": launch_us}
+        )
+    return copy_us > launch_us
 
 
 def _all_vars(g: Graph) -> list[Var]:

@@ -180,7 +180,9 @@ def _cache_decode(q0, k_new):
     return lax.fori_loop(0, 10, step, (jnp.zeros((64, 70)), q0))
 
 
-def test_a_carried_cache_is_written_in_place():
+def test_a_carried_cache_is_written_in_place(small_card):
+    # a card whose host launches cost next to nothing: in place beats copying the cache whole
+    small_card(host_launch_s=1e-9)
     r = np.random.default_rng(0)
     args = (
         r.standard_normal(70).astype(np.float32),
@@ -197,7 +199,9 @@ def test_a_carried_cache_is_written_in_place():
     assert all(s.nbytes == 3 * 128 for s in writes)  # a row of 70 fp32 (3 sticks), not 64 rows
 
 
-def test_an_input_carried_and_written_in_place_is_left_unchanged():
+def test_an_input_carried_and_written_in_place_is_left_unchanged(small_card):
+    small_card(host_launch_s=1e-9)
+
     def f(c, rows):
         def step(i, c):
             return lax.dynamic_update_slice(c, rows[i][None], (i, 0))
@@ -224,10 +228,11 @@ def test_an_update_whose_operand_is_read_after_is_not_in_place():
     assert_tree_close(spyre_jax.jit(f)(*args), jax.jit(f)(*args), k=280)
 
 
-def test_stacked_caches_scanned_over_layers_are_written_in_place(monkeypatch):
+def test_stacked_caches_scanned_over_layers_are_written_in_place(monkeypatch, small_card):
     from lowering import control
 
     monkeypatch.setattr(control, "UNROLL_MAX_NODES", 0)  # the layers kept a loop
+    small_card(host_launch_s=1e-9)
 
     # the decode pattern of scan-over-layers models: per-layer caches are stacked inputs of the
     # layer scan, each written at the position and returned as the stacked output
@@ -252,3 +257,20 @@ def test_stacked_caches_scanned_over_layers_are_written_in_place(monkeypatch):
     assert_tree_close(spyre_jax.jit(f)(*args), jax.jit(f)(*args), k=64)
     text = spyre_jax.jit(f).lower(*args).as_text()
     assert text.count("update_in_place") == 1
+
+
+def test_a_small_cache_stays_in_the_kernel_where_a_launch_costs_more(monkeypatch):
+    from lowering import control
+
+    monkeypatch.setattr(control, "UNROLL_MAX_NODES", 0)  # the loop kept a loop
+    # the default card: copying a 64x70 cache whole (about 0.3 us) beats one more launch (70 us)
+    r = np.random.default_rng(0)
+    args = (
+        r.standard_normal(70).astype(np.float32),
+        r.standard_normal((10, 70)).astype(np.float32),
+    )
+    low = spyre_jax.jit(_cache_decode).lower(*args)
+    assert "update_in_place" not in low.as_text()
+    (note,) = [n for n in low.cost_analysis()["inlined"] if n["kind"] == "update"]
+    assert note["decision"].startswith("in the kernel") and note["copy_us"] < note["launch_us"]
+    assert_tree_close(spyre_jax.jit(_cache_decode)(*args), jax.jit(_cache_decode)(*args), k=64)

@@ -7,13 +7,16 @@
   second, and how many records a profile of it keeps (the first iterations step by step, the
   rest as one ``loop_summary`` span: ``device_model.hostprog.TRACE_ITERATIONS``).
 * ``compile``: the cold first call (trace, compile, load, build the card program, run) of a
-  model of stacked layers scanned over, at 4 and at 32 layers (fresh function objects); the
-  ratio shows that a scan compiles one layer.
+  model of stacked layers scanned over, at 4 and at 32 layers (fresh function objects; the loop
+  kept a loop at both lengths, where the compiler would unroll the short one); the ratio shows
+  that a scan compiles one layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -46,13 +49,22 @@ def _model() -> Any:
     return lambda x, w1, w2, g: lax.scan(_layer, x, (w1, w2, g))[0]
 
 
+@contextlib.contextmanager
+def _looped() -> Iterator[None]:
+    """Scans kept loops (never unrolled by the compiler's choice) inside the block."""
+    saved = control.UNROLL_MAX_NODES
+    control.UNROLL_MAX_NODES = 0
+    try:
+        yield
+    finally:
+        control.UNROLL_MAX_NODES = saved
+
+
 def _iteration(reps: int) -> dict[str, Any]:
     x = np.random.default_rng(1).standard_normal((32, D)).astype(np.float16)
     n = 16
     w1, w2, g = _weights(n)
-    saved = control.UNROLL_MAX_NODES
-    control.UNROLL_MAX_NODES = 0  # keep the loop a loop
-    try:
+    with _looped():
         looped = spyre_jax.jit(_model())
         np.asarray(looped(x, w1, w2, g))  # compile and warm
         one = spyre_jax.jit(lambda h, a, b, c: _layer(h, (a, b, c))[0])
@@ -69,8 +81,6 @@ def _iteration(reps: int) -> dict[str, Any]:
                 y = one(*args1)
             np.asarray(y)
             call_t.append((time.perf_counter() - t0) / n)
-    finally:
-        control.UNROLL_MAX_NODES = saved
     it, call = min(loop_t), min(call_t)
     return {"layers": n, "iteration_s": it, "call_s": call, "ratio": it / call}
 
@@ -106,14 +116,15 @@ def _compile(layers: tuple[int, ...]) -> dict[str, Any]:
     program and run it once (a new function object each time: nothing of ours is cached)."""
     x = np.zeros((32, D), np.float16)
     out: dict[str, Any] = {}
-    for n in layers:
-        args = [spyre_jax.device_put(a) for a in (x, *_weights(n))]
-        f = spyre_jax.jit(_model())
-        t0 = time.perf_counter()
-        np.asarray(f(*args))
-        out[f"layers_{n}_s"] = time.perf_counter() - t0
-        c = next(iter(f._cache.values()))
-        out[f"layers_{n}_kernels"] = len(c.program.kernels()) if c.program else 1
+    with _looped():  # the loop kept a loop at every length: like with like
+        for n in layers:
+            args = [spyre_jax.device_put(a) for a in (x, *_weights(n))]
+            f = spyre_jax.jit(_model())
+            t0 = time.perf_counter()
+            np.asarray(f(*args))
+            out[f"layers_{n}_s"] = time.perf_counter() - t0
+            c = next(iter(f._cache.values()))
+            out[f"layers_{n}_kernels"] = len(c.program.kernels()) if c.program else 1
     a, b = layers[0], layers[-1]
     out["ratio"] = out[f"layers_{b}_s"] / out[f"layers_{a}_s"]
     return out
