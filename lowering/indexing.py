@@ -439,9 +439,12 @@ def gather(
     coords: list[Var] = []
     for j in index_batching:  # a batching dim's coordinate is the index array's own position
         coords.append(b.const(_iota(bshape, j) if bshape else np.zeros(1, np.int32), _I32))
-    idx2 = b.reshape(index, (M, index.shape[-1]))
-    for c in range(len(start_index_map)):
-        coords.append(b.reshape(b.slice_dim(idx2, 1, c, c + 1), (M,)))
+    if index.shape[-1] == 1:  # one coordinate: the index array itself, flattened
+        coords += [b.reshape(index, (M,))] if start_index_map else []
+    else:
+        idx2 = b.reshape(index, (M, index.shape[-1]))
+        for c in range(len(start_index_map)):
+            coords.append(b.reshape(b.slice_dim(idx2, 1, c, c + 1), (M,)))
     if len(coords) == 1:  # the rows themselves: the gather clamps them, or fills
         rows = coords[0]
     else:
