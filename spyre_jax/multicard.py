@@ -45,6 +45,7 @@ from device_model.kernel import Kernel, format_kernel
 from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.runtime import copy_in, runtime, to_device_layout
 from device_model.timing import kernel_cost
+from lowering.control import CONTROL_OPS, has_control, unroll_scans
 from lowering.errors import LoweringError
 from lowering.from_jaxpr import from_jaxpr
 from lowering.pipeline import compile_graph
@@ -234,6 +235,14 @@ def _kernel_segment(eqns: list[Any], live_after: set[Any], card: CardSpec, name:
     )
     jaxpr = jcore.Jaxpr([], invars, outvars, eqns, debug_info=info)
     graph = from_jaxpr(jcore.ClosedJaxpr(jaxpr, []), name=name)
+    graph = unroll_scans(graph, card, compile_graph) if has_control(graph) else graph
+    if has_control(graph):
+        (n,) = [n for n in graph.nodes if n.op in CONTROL_OPS][:1]
+        raise LoweringError(
+            f"spyre_jax.jit: a {n.op} inside a shard_map body is not run on several cards yet "
+            f"(at {n.source or '<unknown source line>'}); move the loop outside the shard_map, "
+            "or unroll it (unroll=True)"
+        )
     kernel = compile_graph(graph, card)
     decls = {t.name: t for t in kernel.tensors}
     n_in = len(kernel.inputs) - len(kernel.consts)

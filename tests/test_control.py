@@ -309,3 +309,30 @@ def test_a_long_loop_keeps_its_first_iterations_in_the_trace_and_summarises_the_
     assert summary.end > summary.start
     # the unrecorded steps still took their time: the summary ends where the timeline does
     assert summary.end == pytest.approx(max(r.end for r in prof.records))
+
+
+def test_a_loop_inside_a_shard_map_body_is_unrolled_or_refused_clearly(monkeypatch):
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from lowering.errors import LoweringError
+
+    monkeypatch.setenv("SPYRE_NUM_CARDS", "2")
+    mesh = Mesh(np.array(spyre_jax.devices()), ("x",))
+    x = _rand((4, 8))
+
+    # a short loop the compiler unrolls runs on both cards
+    body3 = lambda a: lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c) * 0.5, a)  # noqa: E731
+    f = spyre_jax.jit(jax.shard_map(body3, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    np.testing.assert_allclose(np.asarray(f(x)), jax.jit(body3)(x), rtol=1e-5, atol=1e-6)
+    # a loop kept a loop is refused, naming the loop's line
+    monkeypatch.setattr(control, "UNROLL_MAX_NODES", 0)
+    f = spyre_jax.jit(jax.shard_map(body3, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    with pytest.raises(LoweringError, match=r"scan inside a shard_map body .*test_control.py"):
+        f(x)
+
+
+def test_a_carry_that_changes_type_is_jaxs_own_error():
+    f = spyre_jax.jit(lambda x: lax.fori_loop(0, 3, lambda i, c: c.astype(jnp.float16), x))
+    with pytest.raises(TypeError, match="carry"):
+        f(np.ones(4, np.float32))
