@@ -224,6 +224,20 @@ def _int_pow(xp: Any, x: Any, y: int) -> Any:
     return (1 / acc) if neg else acc
 
 
+def _shift(xp: Any, a: Any, b: Any, kind: str) -> Any:
+    """XLA's shifts of int32 bits: a shift by a count outside ``[0, 32)`` gives 0 (left,
+    logical right) or the sign (arithmetic right); the logical right shift sees ``a`` as
+    uint32."""
+    big = (b < 0) | (b >= 32)
+    n = xp.where(big, 0, b).astype(a.dtype)
+    if kind == "left":
+        return xp.where(big, 0, a << n).astype(a.dtype)
+    if kind == "arith":
+        return xp.where(big, a >> 31, a >> n).astype(a.dtype)
+    u = a.astype(np.uint32)
+    return xp.where(big, 0, (u >> n.astype(np.uint32)).astype(a.dtype)).astype(a.dtype)
+
+
 def _div(xp: Any, a: Any, b: Any) -> Any:
     if a.dtype.kind in "iu":
         # C-style integer division (truncation toward zero), as lax.div
@@ -317,6 +331,9 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "max": (lambda xp, a, b, p: _max(xp, a, b), 2),
     "min": (lambda xp, a, b, p: _min(xp, a, b), 2),
     "atan2": (lambda xp, a, b, p: xp.arctan2(a, b), 2),
+    "shl": (lambda xp, a, b, p: _shift(xp, a, b, "left"), 2),
+    "shr": (lambda xp, a, b, p: _shift(xp, a, b, "arith"), 2),
+    "shr_logical": (lambda xp, a, b, p: _shift(xp, a, b, "logical"), 2),
     "and": (lambda xp, a, b, p: a & b, 2),
     "or": (lambda xp, a, b, p: a | b, 2),
     "xor": (lambda xp, a, b, p: a ^ b, 2),

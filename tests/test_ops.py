@@ -364,6 +364,14 @@ def test_running_reductions_split_across_steps(small_card, name):
         _check(lambda a, r=reverse: _RUNNING[name](a, axis=1, reverse=r), x, k=3000)
 
 
+def test_shifts_of_int32_bits_as_xla_defines_them():
+    # counts outside [0, 32) give 0 (left, logical right) or the sign (arithmetic right)
+    a = np.array([1, -5, 7, 2**30, -(2**31), 123456, -1, 99], np.int32)
+    b = np.array([0, 1, 31, 2, 33, -1, 32, 5], np.int32)
+    for f in (lax.shift_left, lax.shift_right_arithmetic, lax.shift_right_logical):
+        np.testing.assert_array_equal(np.asarray(spyre_jax.jit(f)(a, b)), jax.jit(f)(a, b))
+
+
 def test_cumsum_jnp_3d():
     x = _arr((2, 63, 65), F32, seed=20)
     for ax in range(3):

@@ -374,6 +374,7 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
         ("mean_all", lambda a, b: (a * b).mean()),
         ("rank0_out", lambda a, b: (a - b).abs().amax()),
         ("bitwise_int", lambda a, b: (~(a * 9).int() & (b * 9).int()) | 3),
+        ("shifts", lambda a, b: ((a * 99).int() << 3) + ((b * 999).int() >> (a.abs() * 9).int())),
     ],
 )
 def test_opinfo_regressions(name, fn):
