@@ -238,6 +238,28 @@ def _shift(xp: Any, a: Any, b: Any, kind: str) -> Any:
     return xp.where(big, 0, (u >> n.astype(np.uint32)).astype(a.dtype)).astype(a.dtype)
 
 
+#: special functions: (``jax.lax``'s, ``scipy.special``'s) name; computed in fp32 by the
+#: library of each executor (the JAX one: XLA's approximations, the NumPy reference: SciPy's)
+_SPECIAL = {
+    "lgamma": ("lgamma", "gammaln"),
+    "digamma": ("digamma", "digamma"),
+    "erf_inv": ("erf_inv", "erfinv"),
+    "bessel_i0e": ("bessel_i0e", "i0e"),
+    "bessel_i1e": ("bessel_i1e", "i1e"),
+}
+
+
+def _special(xp: Any, a: Any, name: str) -> Any:
+    lax_name, scipy_name = _SPECIAL[name]
+    if xp is np:
+        import scipy.special  # (a dependency of JAX's; imported only when the reference runs)
+
+        return getattr(scipy.special, scipy_name)(a).astype(a.dtype)
+    from jax import lax
+
+    return getattr(lax, lax_name)(a)
+
+
 def _div(xp: Any, a: Any, b: Any) -> Any:
     if a.dtype.kind in "iu":
         # C-style integer division (truncation toward zero), as lax.div
@@ -331,6 +353,8 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "max": (lambda xp, a, b, p: _max(xp, a, b), 2),
     "min": (lambda xp, a, b, p: _min(xp, a, b), 2),
     "atan2": (lambda xp, a, b, p: xp.arctan2(a, b), 2),
+    **{op: (lambda xp, a, p, op=op: _special(xp, a, op), 1) for op in _SPECIAL},
+    "nextafter": (lambda xp, a, b, p: xp.nextafter(a, b), 2),
     "shl": (lambda xp, a, b, p: _shift(xp, a, b, "left"), 2),
     "shr": (lambda xp, a, b, p: _shift(xp, a, b, "arith"), 2),
     "shr_logical": (lambda xp, a, b, p: _shift(xp, a, b, "logical"), 2),
@@ -366,6 +390,11 @@ TRANSCENDENTAL = frozenset(
         "erfc",
         "sin",
         "cos",
+        "lgamma",
+        "digamma",
+        "erf_inv",
+        "bessel_i0e",
+        "bessel_i1e",
         "tan",
         "asin",
         "acos",

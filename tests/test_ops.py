@@ -99,6 +99,12 @@ UNARY = {
     "arccosh": (jnp.arccosh, "ge1", 1),
     "arctanh": (jnp.arctanh, "unit", 1),
     "cbrt": (jnp.cbrt, "normal", 1),
+    "lgamma": (lax.lgamma, "pos", 1),
+    "digamma": (lax.digamma, "pos", 1),
+    "erf_inv": (lax.erf_inv, "unit", 1),
+    "bessel_i0e": (lax.bessel_i0e, "normal", 1),
+    "bessel_i1e": (jax.scipy.special.i1e, "normal", 1),
+    "nextafter": (lambda x: lax.nextafter(x, x + 1), "normal", 1),
 }
 
 _UNARY_XFAIL: dict[str, str] = {}

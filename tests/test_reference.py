@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 import spyre_jax
 from device_model.kernel import Kernel, Stage
@@ -159,6 +160,13 @@ def test_elementwise_odd_shapes(n):
     dtype = [F16, BF16, F32][n % 3]
     x, y = _arr((n, n), dtype, seed=n), _arr((n, n), dtype, seed=n + 1)
     _check(lambda a, b: jnp.tanh(a) * b + jnp.exp(-a * a), x, y, chain=3)
+
+
+def test_special_functions():
+    # the reference computes them with SciPy, the card program with XLA's approximations
+    x = np.abs(_arr((63, 100), F32, seed=5)) + 0.25
+    _check(lambda a: (lax.lgamma(a), lax.digamma(a), lax.bessel_i0e(a)), x)
+    _check(lambda a: lax.erf_inv(jnp.tanh(a) * 0.9) + lax.nextafter(a, a + 1), x)
 
 
 def test_elementwise_int_and_bool():
