@@ -224,6 +224,16 @@ def _int_pow(xp: Any, x: Any, y: int) -> Any:
     return (1 / acc) if neg else acc
 
 
+def _bitcast(xp: Any, a: Any, to: str) -> Any:
+    """The 32 bits of ``a`` (float32 or int32) read as ``to``."""
+    dt = np.dtype(np.int32 if to == "int32" else np.float32)
+    if xp is np:
+        return np.ascontiguousarray(a).view(dt)
+    from jax import lax
+
+    return lax.bitcast_convert_type(a, dt)
+
+
 def _shift(xp: Any, a: Any, b: Any, kind: str) -> Any:
     """XLA's shifts of int32 bits: a shift by a count outside ``[0, 32)`` gives 0 (left,
     logical right) or the sign (arithmetic right); the logical right shift sees ``a`` as
@@ -344,6 +354,7 @@ ELEMENTWISE: dict[str, tuple[Any, int]] = {
     "is_finite": (lambda xp, a, p: xp.isfinite(a), 1),
     "convert": (lambda xp, a, p: _convert(xp, a, p), 1),
     "copy": (lambda xp, a, p: a, 1),
+    "bitcast": (lambda xp, a, p: _bitcast(xp, a, p), 1),
     "add": (lambda xp, a, b, p: a + b, 2),
     "sub": (lambda xp, a, b, p: a - b, 2),
     "mul": (lambda xp, a, b, p: a * b, 2),

@@ -11,43 +11,29 @@ Tests plant a bug by patching :data:`RULES`, the one registry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from jax.extend import core as jcore
 
-from device_model.layout import SUPPORTED_DTYPES, check_dtype
+from device_model.layout import SUPPORTED_DTYPES
 
-from . import indexing
+from . import (
+    indexing,
+    jaxpr_common,
+    jaxpr_control,  # noqa: F401  (the rules of loops and branches register)
+)
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
 from .graph import Graph, Var
+from .jaxpr_common import RULES, Rule, aval, rule
 from .source import user_line
 
-__all__ = ["from_jaxpr", "RULES", "Lit", "rule", "user_source_line"]
+__all__ = ["from_jaxpr", "RULES", "Lit", "aval", "rule", "user_source_line"]
 
 
-Rule = Callable[[Builder, Any, list[Any]], list[Var]]
-RULES: dict[str, Rule] = {}
-
-
-def rule(*names: str) -> Callable[[Rule], Rule]:
-    def deco(fn: Rule) -> Rule:
-        for n in names:
-            RULES[n] = fn
-        return fn
-
-    return deco
-
-
-def _dtype_name(dt: Any) -> str:
-    name = np.dtype(dt).name
-    return check_dtype(name, "a value in the traced program")
-
-
-def _aval(v: Any) -> tuple[tuple[int, ...], str]:
-    return tuple(int(d) for d in v.aval.shape), _dtype_name(v.aval.dtype)
+_dtype_name = jaxpr_common.dtype_name
+_aval = jaxpr_common.aval
 
 
 def _frames(source_info: Any) -> list[tuple[str, int, str]]:
@@ -119,6 +105,7 @@ _INLINED = frozenset(
         "closed_call",
         "core_call",
         "remat",
+        "remat2",
         "checkpoint",
         "custom_jvp_call",
         "custom_vjp_call",
@@ -214,7 +201,7 @@ def _inline(b: Builder, closed: Any, args: list[Any]) -> list[Any]:
     return _run(b, inner, env)
 
 
-@rule("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint")
+@rule("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
 def _call(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     return _inline(b, eqn.params["jaxpr"], args)
 
@@ -670,123 +657,5 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [out]
 
 
-# ---------------------------------------------------------------------------------------------
-# rules: control flow (each body a graph of its own: the host program's loops and branches)
-
-
-def _sub(b: Builder, closed: Any, name: str) -> Graph:
-    """A loop's or a branch's closed jaxpr as a graph (its constants its own)."""
-    return from_jaxpr(closed, name=name, source=b.source)
-
-
-def _vars(b: Builder, args: list[Any], invars: list[Any]) -> list[Var]:
-    return [
-        b.as_var(a, _aval(v)[0]) if isinstance(a, Lit) else a
-        for a, v in zip(args, invars, strict=True)
-    ]
-
-
-def _outs(eqn: Any) -> list[tuple[tuple[int, ...], str]]:
-    return [_aval(v) for v in eqn.outvars]
-
-
-@rule("scan")
-def _scan(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    p = eqn.params
-    length = int(p["length"])
-    unroll = p.get("unroll", 1)
-    unroll = length if unroll is True else max(1, int(unroll or 1))
-    return b.emit_many(
-        "scan",
-        _vars(b, args, eqn.invars),
-        _outs(eqn),
-        body=_sub(b, p["jaxpr"], "scan_body"),
-        length=length,
-        num_consts=int(p["num_consts"]),
-        num_carry=int(p["num_carry"]),
-        reverse=bool(p["reverse"]),
-        unroll=min(unroll, max(length, 1)),
-    )
-
-
-@rule("while")
-def _while(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    p = eqn.params
-    return b.emit_many(
-        "while",
-        _vars(b, args, eqn.invars),
-        _outs(eqn),
-        cond=_sub(b, p["cond_jaxpr"], "while_cond"),
-        body=_sub(b, p["body_jaxpr"], "while_body"),
-        cond_nconsts=int(p["cond_nconsts"]),
-        body_nconsts=int(p["body_nconsts"]),
-    )
-
-
-@rule("cond")
-def _cond(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    ins = _vars(b, args, eqn.invars)
-    if ins[0].dtype != "int32":  # (a bool predicate: JAX converts it first; to be sure)
-        ins[0] = b.emit("convert", [ins[0]], (), "int32", dtype="int32")
-    branches = tuple(_sub(b, br, f"branch{i}") for i, br in enumerate(eqn.params["branches"]))
-    return b.emit_many("cond", ins, _outs(eqn), branches=branches)
-
-
-# ---------------------------------------------------------------------------------------------
-# rules: traced indexing (lowering.indexing)
-
-
-@rule("dynamic_slice")
-def _dynamic_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    sizes = tuple(int(s) for s in eqn.params["slice_sizes"])
-    return [indexing.dynamic_slice(b, b.as_var(args[0]), list(args[1:]), sizes)]
-
-
-@rule("dynamic_update_slice")
-def _dynamic_update_slice(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    x, upd = b.as_var(args[0]), args[1]
-    upd = b.as_var(upd, _aval(eqn.invars[1])[0]) if isinstance(upd, Lit) else upd
-    starts = tuple(int(a.value) if isinstance(a, Lit) else None for a in args[2:])
-    traced = [
-        a if a.dtype == "int32" else b.emit("convert", [a], (), "int32", dtype="int32")
-        for a in args[2:]
-        if not isinstance(a, Lit)
-    ]
-    return [b.emit("update_slice", [x, upd, *traced], x.shape, x.dtype, starts=starts)]
-
-
-@rule("rev")
-def _rev(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    return [indexing.reverse(b, b.as_var(args[0]), tuple(eqn.params["dimensions"]))]
-
-
-_SCATTERS = {"scatter": "set", "scatter-add": "add", "scatter_add": "add", "scatter-mul": "mul"}
-_SCATTERS |= {"scatter_mul": "mul", "scatter-max": "max", "scatter_max": "max"}
-_SCATTERS |= {"scatter-min": "min", "scatter_min": "min"}
-
-
-@rule(*_SCATTERS)
-def _scatter(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
-    x, idx, upd = (b.as_var(a, _aval(v)[0]) for a, v in zip(args, eqn.invars, strict=True))
-    dn = eqn.params["dimension_numbers"]
-    sd, ins = tuple(dn.scatter_dims_to_operand_dims), tuple(dn.inserted_window_dims)
-    wd = tuple(dn.update_window_dims)
-    rest = [d for d in range(len(x.shape)) if d not in sd]
-    mode = str(eqn.params.get("mode", ""))
-    ok = not tuple(getattr(dn, "operand_batching_dims", ())) and set(ins) <= set(sd)
-    if ok and len(idx.shape) >= 1 and idx.shape[-1] == len(sd):
-        idx, upd, wd = indexing.scatter_windows(b, x, idx, upd, sd, ins, wd, "CLIP" in mode)
-    ok = (
-        ok
-        and len(idx.shape) >= 1
-        and idx.shape[-1] == len(sd)
-        and len(wd) == len(rest)
-        and all(upd.shape[w] == x.shape[d] for w, d in zip(wd, rest, strict=True))
-    )
-    if not ok:
-        raise LoweringError(
-            "scatter is supported where each index names rows of the scattered dims (windows "
-            f"covering the other dims whole); got {dn}"
-        )
-    kind = _SCATTERS[eqn.primitive.name]
-    return [indexing.scatter(b, x, idx, upd, sd, wd, kind, clip="CLIP" in mode)]
+# the rules of loops and branches import their bodies with this importer
+jaxpr_common.import_body = from_jaxpr

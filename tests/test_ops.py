@@ -378,6 +378,20 @@ def test_shifts_of_int32_bits_as_xla_defines_them():
         np.testing.assert_array_equal(np.asarray(spyre_jax.jit(f)(a, b)), jax.jit(f)(a, b))
 
 
+def test_bitcasts_stack_and_checkpoint():
+    x = np.array([[1.5, -2.0, 0.0, -0.0, np.inf, 3e-39, np.nan]], np.float32).repeat(3, 0)
+    for f in (
+        jnp.signbit,
+        lambda v: jnp.copysign(v, -1.0),
+        lambda v: lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.int32) + 1, jnp.float32),
+        lambda v: jnp.stack([v, v * 2, -v], axis=1),
+        jax.checkpoint(lambda v: jnp.sin(v) * v),
+    ):
+        got, want = np.asarray(spyre_jax.jit(f)(x)), np.asarray(jax.jit(f)(x))
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
 def test_cumsum_jnp_3d():
     x = _arr((2, 63, 65), F32, seed=20)
     for ax in range(3):
