@@ -1,13 +1,18 @@
 """The JAX importer's rules for loops, branches and traced indexing: ``scan``, ``while`` and
 ``cond`` (each body imported as a graph of its own: the host program's loops and branches,
 :mod:`lowering.control`), ``dynamic_slice``, ``dynamic_update_slice``, scatter, ``rev``,
-``stack`` and ``bitcast_convert_type``. They register into :data:`lowering.from_jaxpr.RULES`
-when ``lowering.from_jaxpr`` imports this module; bodies are imported with
-:data:`lowering.jaxpr_common.import_body`."""
+``stack``, ``bitcast_convert_type`` and the windowed reductions (pooling). They register
+into :data:`lowering.from_jaxpr.RULES` when ``lowering.from_jaxpr`` imports this module;
+bodies are imported with :data:`lowering.jaxpr_common.import_body`."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any
+
+from device_model.layout import np_dtype
+from device_model.reductions import identity_value
 
 from . import indexing, jaxpr_common
 from .builder import Builder, Lit
@@ -164,3 +169,39 @@ def _bitcast_convert(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     if x.dtype == dt:
         return [x]
     return [b.elementwise("bitcast", [x], shape, dt, param=dt)]
+
+
+# ---------------------------------------------------------------------------------------------
+# rules: windowed reductions (pooling), as strided slices of the padded input merged elementwise
+
+
+_WINDOWED = {"reduce_window_max": ("max", "lowest"), "reduce_window_min": ("min", "highest")}
+_WINDOWED |= {"reduce_window_sum": ("add", "zero")}
+
+
+@rule(*_WINDOWED)
+def _reduce_window(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
+    p = eqn.params
+    shape, dt = _aval(eqn.outvars[0])
+    x = b.as_var(args[0], _aval(eqn.invars[0])[0])
+    if any(int(d) != 1 for d in p["base_dilation"]):
+        raise LoweringError("reduce_window with base_dilation is not supported")
+    fn, identity = _WINDOWED[eqn.primitive.name]
+    fill = identity_value(identity, np_dtype(dt)).item()
+    cfg = [(int(lo), int(hi), 0) for lo, hi in p["padding"]]
+    xp = b.pad(x, Lit(fill, dt), cfg) if any(lo or hi for lo, hi, _ in cfg) else x
+    win = [int(w) for w in p["window_dimensions"]]
+    strides = tuple(int(s) for s in p["window_strides"])
+    dil = [int(d) for d in p["window_dilation"]]
+    acc: Var | None = None
+    for offs in itertools.product(*(range(w) for w in win)):
+        starts = tuple(o * d for o, d in zip(offs, dil, strict=True))
+        limits = tuple(
+            s + (n - 1) * st + 1 for s, n, st in zip(starts, shape, strides, strict=True)
+        )
+        if math.prod(shape) == 0:
+            part = b.full(shape, fill, dt)
+        else:
+            part = b.emit("slice", [xp], shape, dt, starts=starts, limits=limits, strides=strides)
+        acc = part if acc is None else b.elementwise(fn, [acc, part], shape, dt)
+    return [acc if acc is not None else b.full(shape, fill, dt)]

@@ -392,6 +392,34 @@ def test_bitcasts_stack_and_checkpoint():
         np.testing.assert_array_equal(got, want)
 
 
+_POOLS = {
+    "max_3x3_s2_same": lambda x: lax.reduce_window(
+        x, -jnp.inf, lax.max, (1, 1, 3, 3), (1, 1, 2, 2), "SAME"
+    ),
+    "max_2x2_s2_valid": lambda x: lax.reduce_window(
+        x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID"
+    ),
+    "avg_3x3_same": lambda x: (
+        lax.reduce_window(x, 0.0, lax.add, (1, 1, 3, 3), (1, 1, 1, 1), "SAME") / 9
+    ),
+    "min_dilated_padded": lambda x: lax.reduce_window(
+        x,
+        jnp.inf,
+        lax.min,
+        (1, 1, 3, 2),
+        (1, 1, 1, 2),
+        ((0, 0), (0, 0), (1, 1), (0, 1)),
+        window_dilation=(1, 1, 2, 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_POOLS))
+def test_pooling_as_windowed_reductions(name):
+    x = _arr((2, 3, 11, 13), F32, seed=23)
+    _check(_POOLS[name], x, k=9)
+
+
 def test_cumsum_jnp_3d():
     x = _arr((2, 63, 65), F32, seed=20)
     for ax in range(3):
