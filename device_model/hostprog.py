@@ -351,16 +351,21 @@ def _control_cost(st: Step, card: CardSpec, trips: dict[int, int]) -> tuple[dict
     return row, body
 
 
+def _copied(st: ScanLoop | WhileLoop) -> frozenset[int]:
+    """The loop's own inputs (positions in ``carry`` + ``xs``) it copies on entry: those its body
+    writes in place and no enclosing loop handed over."""
+    first = len(st.consts) if isinstance(st, ScanLoop) else len(st.body_consts)
+    return frozenset(
+        k - first for k in _in_place_inputs(st.body) if k >= first and k - first not in st.donated
+    )
+
+
 def _entry_copies(st: Step) -> list[int]:
-    """The bytes of each buffer a loop copies on entry (those its body writes in place)."""
-    if isinstance(st, ScanLoop):
-        body, first = st.body, len(st.consts)
-    elif isinstance(st, WhileLoop):
-        body, first = st.body, len(st.body_consts)
-    else:
+    """The bytes of each buffer a loop copies on entry (:func:`_copied`)."""
+    if not isinstance(st, ScanLoop | WhileLoop):
         return []
-    ks = [k for k in sorted(_in_place_inputs(body)) if k >= first and k - first not in st.donated]
-    return [body.layouts[body.inputs[k]].nbytes for k in ks]
+    first = len(st.consts) if isinstance(st, ScanLoop) else len(st.body_consts)
+    return [st.body.layouts[st.body.inputs[first + k]].nbytes for k in sorted(_copied(st))]
 
 
 def _merge_figures(a: dict, b: dict) -> dict:
@@ -472,10 +477,9 @@ class ProgramRunner:
         body, nk = st.body, len(st.carry)
         nc = len(st.consts)
         consts = [env[i] for i in st.consts]
-        mine = _in_place_inputs(body)  # the body's inputs it writes in place: the loop's copies
-        own = [(nc + k in mine) and k not in st.donated for k in range(nk + len(st.xs))]
-        carry = [self.copy(env[v]) if own[k] else env[v] for k, v in enumerate(st.carry)]
-        xs_bufs = [self.copy(env[v]) if own[nk + k] else env[v] for k, v in enumerate(st.xs)]
+        own = _copied(st)  # the buffers the body writes in place: the loop's own copies
+        carry = [self.copy(env[v]) if k in own else env[v] for k, v in enumerate(st.carry)]
+        xs_bufs = [self.copy(env[v]) if nk + k in own else env[v] for k, v in enumerate(st.xs)]
         x_lays = [body.layouts[v] for v in body.inputs[nc + nk :]]
         y_lays = [body.layouts[v] for v in body.outputs[nk:]]
         alias = _stacked_aliases(body, nc, nk)  # ys written in place into a stacked input
@@ -516,11 +520,8 @@ class ProgramRunner:
     def _while(self, st: WhileLoop, env: dict[int, Any]) -> list[Any]:
         cc = [env[i] for i in st.cond_consts]
         bc = [env[i] for i in st.body_consts]
-        mine, nb = _in_place_inputs(st.body), len(bc)
-        carry = [
-            self.copy(env[v]) if nb + k in mine and k not in st.donated else env[v]
-            for k, v in enumerate(st.carry)
-        ]
+        own = _copied(st)
+        carry = [self.copy(env[v]) if k in own else env[v] for k, v in enumerate(st.carry)]
         limit = max_iterations()
         rt = self.card.host_round_trip_s + self.card.host_launch_s
         n = 0
