@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import matmul_ops, ops
+from . import matmul_ops, ops, sorting
 from .blocks import Source, from_blocks, static, take, uninit_value
 from .kernel import (
     Kernel,
@@ -63,7 +63,7 @@ from .kernel import (
     resolve_aliases,
 )
 from .layout import np_dtype
-from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep
+from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep, SortStep, TakeStep
 
 __all__ = [
     "run_kernel",
@@ -454,6 +454,22 @@ def _concat(cx: _StepCtx, t: Any, store_idx: Any) -> None:
     cx.bufs.write(out.sp, cx.slot(out.sp, t), ops.fit(jnp, x.astype(dt), out.block))
 
 
+def _sort(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    """Every core's rows of keys sorted; their first ``k`` indices stored."""
+    step: SortStep = cx.stage.step
+    keys = [x[..., : step.n] for x in cx.tiles(t)]
+    cx.write_out(t, sorting.argsort_rows(jnp, keys, step.order, step.descending, step.k))
+
+
+def _take(cx: _StepCtx, t: Any, store_idx: Any) -> None:
+    """Every core's rows read at its block of indices."""
+    step: TakeStep = cx.stage.step
+    x, idx = cx.tiles(t)
+    m = cx.decls[cx.stage.inputs[1].tensor].layout.shape[-1]
+    r = sorting.take_rows(jnp, x[..., : step.n], idx[..., :m], step.n, step.mode, step.fill_value)
+    cx.write_out(t, r)
+
+
 def _matmul_acc(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
     """One K block's products of every core, added into the accumulator."""
     stage, bufs, step = cx.stage, cx.bufs, cx.stage.step
@@ -552,7 +568,14 @@ def _map_carry(cx: _StepCtx, t: Any, first: Any, kpos: Any) -> None:
 #: per step kind, what a step of each mode runs: "plain" (ctx, t, stores), "acc" (accumulate
 #: (ctx, t, first, kpos), finish (ctx, t, stores) -> the output block), "carry" (ctx, t, first,
 #: kpos)
-_PLAIN = {MapStep: _map_plain, GatherStep: _gather, ReshapeStep: _reshape, ConcatStep: _concat}
+_PLAIN = {
+    MapStep: _map_plain,
+    GatherStep: _gather,
+    ReshapeStep: _reshape,
+    ConcatStep: _concat,
+    SortStep: _sort,
+    TakeStep: _take,
+}
 _ACC = {MatmulStep: (_matmul_acc, _matmul_finish), MapStep: (_map_acc, _map_finish)}
 _CARRY = {MapStep: _map_carry}
 

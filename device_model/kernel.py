@@ -47,7 +47,9 @@ from .steps import (
     MapStep,
     MatmulStep,
     ReshapeStep,
+    SortStep,
     Step,
+    TakeStep,
 )
 
 __all__ = [
@@ -373,6 +375,23 @@ def _check_move(s: Stage, names: dict[str, TensorDecl]) -> None:
         raise ScheduleError(f"a {s.kind} of {n} inputs has {len(s.inputs)} operands")
 
 
+def _check_sort(s: Stage, names: dict[str, TensorDecl]) -> None:
+    st = s.step
+    if not s.inputs:
+        raise ScheduleError("a sort reads at least one key operand")
+    if not 0 < st.k <= st.n:
+        raise ScheduleError(f"a sort keeps the first {st.k} of rows of {st.n}")
+    if names[s.output.tensor].layout.dtype != "int32":
+        raise ScheduleError("a sort stores int32 indices")
+
+
+def _check_take(s: Stage, names: dict[str, TensorDecl]) -> None:
+    if len(s.inputs) != 2:
+        raise ScheduleError(f"a take reads a tensor and its indices, not {len(s.inputs)} operands")
+    if names[s.inputs[1].tensor].layout.dtype != "int32":
+        raise ScheduleError("a take's indices are int32")
+
+
 #: the kernel checker's per-kind checks of a stage's step (beside the checks every stage gets)
 _STEP_CHECKS = {
     MapStep: _check_map,
@@ -380,6 +399,8 @@ _STEP_CHECKS = {
     GatherStep: _check_gather,
     ReshapeStep: _check_move,
     ConcatStep: _check_move,
+    SortStep: _check_sort,
+    TakeStep: _check_take,
 }
 
 

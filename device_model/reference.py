@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from . import matmul_ops, ops
+from . import matmul_ops, ops, sorting
 from .kernel import (
     Kernel,
     Operand,
@@ -52,7 +52,7 @@ from .kernel import (
     resolve_aliases,
 )
 from .layout import DTYPES, np_dtype
-from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep
+from .steps import ConcatStep, GatherStep, MapStep, MatmulStep, ReshapeStep, SortStep, TakeStep
 
 __all__ = ["run_kernel_reference", "reference_runner", "run_stage_reference", "Scratchpad"]
 
@@ -322,6 +322,22 @@ def _concat(cx: _Core, kpos: int) -> None:
     cx.sp.write(out.sp, cx.oslot, ops.fit(np, x, out.block)[0])
 
 
+def _sort(cx: _Core, kpos: int) -> None:
+    """The rows of the block's keys sorted; their first ``k`` indices stored."""
+    step: SortStep = cx.stage.step
+    keys = [t[..., : step.n] for t in cx.tiles()]
+    cx.write(sorting.argsort_rows(np, keys, step.order, step.descending, step.k))
+
+
+def _take(cx: _Core, kpos: int) -> None:
+    """Each row's elements at the block's indices."""
+    step: TakeStep = cx.stage.step
+    x, idx = cx.tiles()
+    m = cx.decls[cx.stage.inputs[1].tensor].layout.shape[-1]
+    r = sorting.take_rows(np, x[..., : step.n], idx[..., :m], step.n, step.mode, step.fill_value)
+    cx.write(r)
+
+
 #: one core's compute at one step, per step kind
 _COMPUTE: dict[type, Callable[[_Core, int], None]] = {
     MapStep: _map,
@@ -329,6 +345,8 @@ _COMPUTE: dict[type, Callable[[_Core, int], None]] = {
     GatherStep: _gather,
     ReshapeStep: _reshape,
     ConcatStep: _concat,
+    SortStep: _sort,
+    TakeStep: _take,
 }
 
 

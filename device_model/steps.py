@@ -2,12 +2,12 @@
 stage kind.
 
 A :class:`~device_model.kernel.Stage` holds one step; its kind (``map``, ``matmul``, ``gather``,
-``reshape``, ``concat``) and the unit that runs it (``PE``, ``SFU``, the load/store unit ``LSU``)
-follow from the step's class (:data:`STEP_KINDS`). ``combine`` says how a stage's steps combine:
-``plain`` (every step computes and stores its own output block), ``acc`` (a K loop or a split
-reduction accumulates in scratchpad; the last step of a block rounds and stores) or ``carry`` (a
-split cumulative reduction: every block is stored, a carry passes between them). Their semantics
-are written once in :mod:`device_model.ops` and :mod:`device_model.matmul_ops`; the kernel
+``reshape``, ``concat``, ``sort``, ``take``) and the unit that runs it (``PE``, ``SFU``, the
+load/store unit ``LSU``) follow from the step's class (:data:`STEP_KINDS`). ``combine`` says how a
+stage's steps combine: ``plain`` (every step computes and stores its own output block), ``acc`` (a K
+loop or a split reduction accumulates in scratchpad; the last step of a block rounds and stores) or
+``carry`` (a split cumulative reduction: every block is stored, a carry passes between them). Their
+semantics are written once in :mod:`device_model.ops` and :mod:`device_model.matmul_ops`; the kernel
 checker (:func:`device_model.kernel.check_kernel`) checks each kind's step against its stage, and
 both executors dispatch on the step's class.
 """
@@ -27,6 +27,8 @@ __all__ = [
     "ReshapeStep",
     "ConcatStep",
     "SplitReduce",
+    "SortStep",
+    "TakeStep",
     "Step",
     "STEP_KINDS",
 ]
@@ -217,10 +219,51 @@ class MapStep:
         return s + (f"\n          {self.split}" if self.split is not None else "")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SortStep:
+    """SFU program: each row of the block (the stage's inputs: ``num_keys`` keys, the first the
+    most significant, each ``[rows, n]``) sorted by a bitonic network carrying each element's
+    index; the first ``k`` indices (int32) of the order stored (:mod:`device_model.sorting`:
+    ``order``, ``descending``, ties by index)."""
+
+    kind: ClassVar[str] = "sort"
+    unit: ClassVar[str] = "SFU"
+    combine: ClassVar[str] = "plain"
+
+    n: int
+    k: int
+    descending: bool = False
+    order: str = "nan_last"
+
+    def __str__(self) -> str:
+        d = " descending" if self.descending else ""
+        return f"bitonic argsort rows of {self.n}{d} ({self.order}), first {self.k}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TakeStep:
+    """SFU program: ``out[r, j] = x[r, idx[r, j]]`` within each row of the block (the stage's
+    inputs: ``x`` ``[rows, n]``, ``idx`` int32 ``[rows, m]``), an indexed read per element of
+    the scratchpad; ``mode`` clip clamps the indices into ``[0, n)``, fill gives
+    ``fill_value`` (None: NaN for floats, 0 for integers) for those out of range."""
+
+    kind: ClassVar[str] = "take"
+    unit: ClassVar[str] = "SFU"
+    combine: ClassVar[str] = "plain"
+
+    n: int
+    mode: str = "clip"
+    fill_value: float | int | None = None
+
+    def __str__(self) -> str:
+        return f"take along rows of {self.n} by index (mode={self.mode})"
+
+
 #: a stage's step: one of the per-kind classes
-Step = MapStep | MatmulStep | GatherStep | ReshapeStep | ConcatStep
+Step = MapStep | MatmulStep | GatherStep | ReshapeStep | ConcatStep | SortStep | TakeStep
 
 #: the step class of each stage kind
 STEP_KINDS: dict[str, type] = {
-    cls.kind: cls for cls in (MapStep, MatmulStep, GatherStep, ReshapeStep, ConcatStep)
+    cls.kind: cls
+    for cls in (MapStep, MatmulStep, GatherStep, ReshapeStep, ConcatStep, SortStep, TakeStep)
 }

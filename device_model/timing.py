@@ -8,7 +8,8 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
   cycle (each forward takes the shorter way round the ring);
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
   ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
-  ``sfu_elems_per_cycle`` x corelets. A matmul's epilogue (an elementwise map fused into
+  ``sfu_elems_per_cycle`` x corelets (a sort's compare-exchanges: :mod:`device_model.sorting`,
+  shared evenly by its blocks). A matmul's epilogue (an elementwise map fused into
   its store) adds its SFU time to the last K step of each output block; its prologue (a norm's
   per-element part fused into its lhs loads) adds the SFU time of the step's lhs tile to every
   step (the tile passes the SFUs before the PE: counted in series, not overlapped).
@@ -40,7 +41,7 @@ import numpy as np
 from .card import CardSpec
 from .kernel import Kernel, Stage
 from .layout import DTYPES
-from .steps import MapStep, MatmulStep
+from .steps import MapStep, MatmulStep, SortStep, TakeStep
 
 __all__ = ["stage_cost", "kernel_cost"]
 
@@ -108,45 +109,10 @@ def _block_bytes(block: tuple[int, ...], dtype: str) -> int:
     return math.prod(block) * DTYPES[dtype]
 
 
-def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, Any]:
-    """Time (s) and traffic of one stage; see the module docstring for the formula.
-
-    A stage whose input buffers have a single slot while it runs several steps is single
-    buffered: step t+1's loads wait for step t's compute, nothing overlaps."""
-    in_bytes = np.asarray([_block_bytes(op.block, dtypes[op.tensor]) for op in s.inputs], float)
-    out_bytes = _block_bytes(s.output.block, dtypes[s.output.tensor])
-    T = s.steps
-    nin = len(s.inputs)
-    ncores = len(s.stores[0]) if T else card.num_cores
-    loads = np.asarray(s.loads, np.int64).reshape(T, nin, ncores)
-    ring = np.asarray(s.ring, np.int64).reshape(T, nin, ncores)
-    stores = np.asarray(s.stores, np.int64).reshape(T, ncores)
-    kind, step = s.kind, s.step
-    L = ((loads >= 0) * in_bytes[None, :, None]).sum(axis=(1, 2)) if nin else np.zeros(T)
-    nstore = (stores >= 0).sum(axis=1)
-    S = nstore * float(out_bytes)
-    if kind == "gather":
-        L = L + nstore * float(out_bytes)  # the indirectly loaded rows
-    recv = ring >= 0
-    ring_bytes = int(((recv) * in_bytes[None, :, None]).sum()) if nin else 0
-    # ring time per step: the same ring pattern always takes the same time (computed once)
-    R = np.zeros(T)
-    if nin and recv.any():
-        flat = ring.reshape(T, -1)
-        pats, inv = np.unique(flat, axis=0, return_inverse=True)
-        times = []
-        for pat in pats:
-            pr = pat.reshape(nin, ncores)
-            transfers = [
-                (i, int(pr[i, c]), c, int(in_bytes[i]))
-                for i in range(nin)
-                for c in range(ncores)
-                if pr[i, c] >= 0
-            ]
-            times.append(_ring_time(transfers, card))
-        R = np.asarray(times)[np.asarray(inv).reshape(-1)]
-    busy_in = ((loads >= 0) | recv).any(axis=1) if nin else np.zeros((T, ncores), bool)
-    active = set(np.flatnonzero(busy_in.any(axis=0)).tolist())
+def _compute_time(s: Stage, card: CardSpec) -> tuple[float, float]:
+    """One step's compute time on a core, and the time a matmul's epilogue adds to the last K
+    step of each output block (see the module docstring)."""
+    step = s.step
     c_step = 0.0
     ep_s = 0.0
     if isinstance(step, MatmulStep):
@@ -177,6 +143,53 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         per_core = s.sfu_elem_ops / max(1, math.prod(body.space)) * elems
         rate = card.sfu_elems_per_cycle * card.corelets_per_core
         c_step = per_core / rate / card.clock_hz
+    elif isinstance(step, SortStep | TakeStep):
+        # the stage's SFU work (compare-exchanges, indexed reads) shared evenly by its blocks
+        rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
+        c_step = s.sfu_elem_ops / max(1, math.prod(s.grid)) / rate
+    return c_step, ep_s
+
+
+def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, Any]:
+    """Time (s) and traffic of one stage; see the module docstring for the formula.
+
+    A stage whose input buffers have a single slot while it runs several steps is single
+    buffered: step t+1's loads wait for step t's compute, nothing overlaps."""
+    in_bytes = np.asarray([_block_bytes(op.block, dtypes[op.tensor]) for op in s.inputs], float)
+    out_bytes = _block_bytes(s.output.block, dtypes[s.output.tensor])
+    T = s.steps
+    nin = len(s.inputs)
+    ncores = len(s.stores[0]) if T else card.num_cores
+    loads = np.asarray(s.loads, np.int64).reshape(T, nin, ncores)
+    ring = np.asarray(s.ring, np.int64).reshape(T, nin, ncores)
+    stores = np.asarray(s.stores, np.int64).reshape(T, ncores)
+    kind = s.kind
+    L = ((loads >= 0) * in_bytes[None, :, None]).sum(axis=(1, 2)) if nin else np.zeros(T)
+    nstore = (stores >= 0).sum(axis=1)
+    S = nstore * float(out_bytes)
+    if kind == "gather":
+        L = L + nstore * float(out_bytes)  # the indirectly loaded rows
+    recv = ring >= 0
+    ring_bytes = int(((recv) * in_bytes[None, :, None]).sum()) if nin else 0
+    # ring time per step: the same ring pattern always takes the same time (computed once)
+    R = np.zeros(T)
+    if nin and recv.any():
+        flat = ring.reshape(T, -1)
+        pats, inv = np.unique(flat, axis=0, return_inverse=True)
+        times = []
+        for pat in pats:
+            pr = pat.reshape(nin, ncores)
+            transfers = [
+                (i, int(pr[i, c]), c, int(in_bytes[i]))
+                for i in range(nin)
+                for c in range(ncores)
+                if pr[i, c] >= 0
+            ]
+            times.append(_ring_time(transfers, card))
+        R = np.asarray(times)[np.asarray(inv).reshape(-1)]
+    busy_in = ((loads >= 0) | recv).any(axis=1) if nin else np.zeros((T, ncores), bool)
+    active = set(np.flatnonzero(busy_in.any(axis=0)).tolist())
+    c_step, ep_s = _compute_time(s, card)
     C = np.full(T, c_step)
     if ep_s:
         C = C + ep_s * np.asarray(s.last, float)

@@ -22,6 +22,7 @@ from . import (
     indexing,
     jaxpr_common,
     jaxpr_control,  # noqa: F401  (the rules of loops and branches register)
+    jaxpr_sort,  # noqa: F401  (the rules of sorting and selection register)
 )
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error

@@ -483,27 +483,6 @@ def _index(b: Builder, node: torch.fx.Node, x: Var, indices: list[Any]) -> Var:
     return b.transpose(g, back) if back != tuple(range(len(back))) else g
 
 
-@rule(aten.gather.default)
-def _gather(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var, **kw: Any) -> Var:
-    """``out[i] = x[i with coordinate dim replaced by idx[i]]``: a row gather on x flattened to
-    one element per row, at offsets computed elementwise from idx and iotas."""
-    shape, dt = result(node)
-    r = len(x.shape)
-    d = norm_dim(dim, r)
-    strides = [math.prod(x.shape[k + 1 :]) for k in range(r)]
-    off = ew_raw(b, "mul", [convert(b, idx, "int32"), strides[d]], shape, "int32")
-    for k in range(r):
-        if k == d:
-            continue
-        io = np.arange(shape[k]).reshape([-1 if j == k else 1 for j in range(r)])
-        iota = b.const(np.broadcast_to(io * strides[k], shape).astype(np.int32), "int32")
-        off = b.elementwise("add", [off, iota], shape, "int32")
-    flat = b.reshape(off, (math.prod(shape),))
-    tab = b.reshape(x, (math.prod(x.shape), 1))
-    g = b.emit("gather", [tab, flat], (flat.shape[0], 1), dt, mode="clip")
-    return b.reshape(g, shape)
-
-
 def _index_put_ok(node: torch.fx.Node) -> bool:
     """One indexed dim, by a 1-D integer tensor, replacing (not accumulating)."""
     indices = node.args[1]

@@ -16,6 +16,8 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   to the lhs on its way in, the lhs its input ``slot`` (printed ``lhs_slot``) and the node's
   last inputs the rest (after the epilogue's),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
+* ``sort``: the first ``k`` indices of a stable sort of each row of its keys ``[R, n]``
+  (``descending``, ``order``), ``take_along``: each row's elements at int32 indices,
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody),
 * ``scan``, ``while``, ``cond``: control flow, each holding its body graphs (``lax.scan``,
   ``lax.while_loop``, ``lax.cond``/``lax.switch``); never inside a kernel, they are the
@@ -268,6 +270,25 @@ def _r_gather(n: Node) -> list:
     return [((*idx.shape, table.shape[1]), table.dtype)]
 
 
+def _r_sort(n: Node) -> list:
+    _need(len(n.inputs) >= 1, "sort: at least one key")
+    shape = n.inputs[0].shape
+    _need(len(shape) == 2, f"sort: keys must be 2-d [rows, n], not {list(shape)}")
+    _need(all(v.shape == shape for v in n.inputs), "sort: keys differ in shape")
+    _need(n.params.k <= shape[1], f"sort: k={n.params.k} exceeds the row length {shape[1]}")
+    return [((shape[0], n.params.k), "int32")]
+
+
+def _r_take_along(n: Node) -> list:
+    _need(len(n.inputs) == 2, "take_along: a tensor and its indices")
+    x, idx = n.inputs
+    _need(idx.dtype == "int32", "take_along: indices must be int32")
+    _need(len(x.shape) == 2 and len(idx.shape) == 2, "take_along: 2-d [rows, n] operands")
+    _need(x.shape[0] == idx.shape[0], "take_along: the operands differ in rows")
+    _need(x.shape[1] > 0, "take_along: rows of 0 elements")
+    return [(idx.shape, x.dtype)]
+
+
 def _r_map(n: Node) -> list:
     body: MapBody = n.params.body
     _need(len(body.views) == len(n.inputs), "map: one view per input")
@@ -366,6 +387,8 @@ _RULES: dict[str, Callable[[Node], list]] = {
     "while": _r_while,
     "cond": _r_cond,
     "update_slice": _r_update_slice,
+    "sort": _r_sort,
+    "take_along": _r_take_along,
 }
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from device_model.layout import DTYPES
 from device_model.ops import ELEMENTWISE, MapBody, Reduce
+from device_model.sorting import ORDERS
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -42,6 +43,8 @@ __all__ = [
     "While",
     "Cond",
     "UpdateSlice",
+    "Sort",
+    "TakeAlong",
     "PARAMS",
     "GATHER_MODES",
     "make_params",
@@ -379,6 +382,28 @@ class UpdateSlice(Params):
         _need(ok, f"{op}: starts={self.starts!r} is not a tuple of ints and Nones")
 
 
+@dataclass(frozen=True, slots=True)
+class Sort(Params):
+    """The first ``k`` indices (int32) of a stable sort of each row: the node's inputs are the
+    keys ``[R, n]``, the first the most significant; ``order`` and ``descending`` as
+    :mod:`device_model.sorting` defines them. Values follow by ``take_along``."""
+
+    k: int
+    descending: bool = False
+    order: str = "nan_last"
+
+    def check(self, op: str) -> None:
+        _need(type(self.k) is int and self.k > 0, f"{op}: k={self.k!r} is not a positive int")
+        _need(isinstance(self.descending, bool), f"{op}: descending={self.descending!r}")
+        _need(self.order in ORDERS, f"{op}: order={self.order!r} is not one of {ORDERS}")
+
+
+@dataclass(frozen=True, slots=True)
+class TakeAlong(Gather):
+    """``out[r, j] = x[r, idx[r, j]]``: the node's inputs are ``x`` ``[R, n]`` and int32
+    ``idx`` ``[R, m]``; ``mode`` and ``fill_value`` as a gather's, per element."""
+
+
 def _with_graphs(p: Params, items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
     """The printer's items with each graph shown by its name (its body printed below)."""
     graphs = {id(g) for g in p.subgraphs()}
@@ -402,6 +427,8 @@ PARAMS: dict[str, type[Params]] = {
     "while": While,
     "cond": Cond,
     "update_slice": UpdateSlice,
+    "sort": Sort,
+    "take_along": TakeAlong,
 }
 
 

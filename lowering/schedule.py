@@ -10,22 +10,21 @@ emitted: the tiler splits further (a reduction whose output rows cannot be tiled
 writes one element per stick to a temp, then packs it).
 
 Each op kind has its tiler (:mod:`lowering.tile_map`, ``tile_matmul``, ``tile_gather``,
-``tile_reshape``, ``tile_concat``, entered in :data:`PLANNERS`; their shared interface is
-:mod:`lowering.tiling`), and each tries the same tiers in order: whole blocks, then the general
-tiling (ragged blocks), then single buffering. In the general tiling every dim of every op may
-be cut, the stick dim and the reduced axis included, in blocks that need not divide it (the last
-block is ragged); a slice, a strided slice or a shifted input of a concatenation is read in
-windows of the input; a reduction too long for the scratchpad (sum/max/min/prod/argmax/argmin/
-cumsum along any axis) is split across steps with a carried accumulator in the compute type
-(fp32 for floats); a matmul's K is split with fp32 partial sums whatever its length; a
-transpose whose blocks would need a stick of both layouts goes through a one-element-per-stick
-temp; re-layouts split their rows; gathers tile the index rows (the table stays in device
-memory, whatever its size); and as a last resort the buffers are single-buffered.
-:class:`TilingError` is left only for what cannot fit even the smallest such blocks: one stick
-per buffer, or, for a re-layout between layouts whose sticks cross (a transpose, a matmul's K,
-packing one element per stick), one stick's worth of sticks (64 fp16 sticks, 8 KiB). Tensors
-without elements need no stage; a reduction over an empty axis is a fill with the reduction's
-identity (argmax/argmin over an empty axis raise).
+``tile_reshape``, ``tile_concat``, ``tile_sort``, entered in :data:`PLANNERS`; their shared
+interface is :mod:`lowering.tiling`), and each tries the same tiers in order: whole blocks, then the
+general tiling (ragged blocks), then single buffering. In the general tiling every dim of every op
+may be cut, the stick dim and the reduced axis included, in blocks that need not divide it (the last
+block is ragged); a slice, a strided slice or a shifted input of a concatenation is read in windows
+of the input; a reduction too long for the scratchpad (sum/max/min/prod/argmax/argmin/ cumsum along
+any axis) is split across steps with a carried accumulator in the compute type (fp32 for floats); a
+matmul's K is split with fp32 partial sums whatever its length; a transpose whose blocks would need
+a stick of both layouts goes through a one-element-per-stick temp; re-layouts split their rows;
+gathers tile the index rows (the table stays in device memory, whatever its size); and as a last
+resort the buffers are single-buffered. :class:`TilingError` is left only for what cannot fit even
+the smallest such blocks: one stick per buffer, or, for a re-layout between layouts whose sticks
+cross (a transpose, a matmul's K, packing one element per stick), one stick's worth of sticks (64
+fp16 sticks, 8 KiB). Tensors without elements need no stage; a reduction over an empty axis is a
+fill with the reduction's identity (argmax/argmin over an empty axis raise).
 
 Every figure of the card (cores, stick size, usable scratchpad, bandwidths) comes from the
 :class:`~device_model.card.CardSpec` passed in.
@@ -58,6 +57,7 @@ from .tile_gather import plan_gather
 from .tile_map import map_fits, plan_body, plan_map
 from .tile_matmul import plan_matmul
 from .tile_reshape import plan_reshape
+from .tile_sort import plan_sort, plan_take_along
 from .tiling import TilingContext
 
 __all__ = ["schedule", "map_fits", "PLANNERS"]
@@ -124,6 +124,8 @@ PLANNERS: dict[str, Callable[[TilingContext, Node], list[Stage]]] = {
     "gather": plan_gather,
     "reshape": plan_reshape,
     "concatenate": plan_concat,
+    "sort": plan_sort,
+    "take_along": plan_take_along,
 }
 
 

@@ -33,6 +33,7 @@ FX_MODULES = (
     "lowering.fx_common",
     "lowering.fx_elementwise",
     "lowering.fx_tensor",
+    "lowering.fx_select",
     "lowering.from_fx",
 )
 

@@ -63,6 +63,8 @@ def test_every_op_has_a_params_class():
         "while",
         "cond",
         "update_slice",
+        "sort",
+        "take_along",
     }
     assert all(issubclass(c, Params) for c in PARAMS.values())
 

@@ -46,7 +46,15 @@ W = np.ones((256, 128), np.float16)
 
 
 def test_every_kind_has_a_step_class_that_both_executors_and_the_checker_know():
-    assert set(steps.STEP_KINDS) == {"map", "matmul", "gather", "reshape", "concat"}
+    assert set(steps.STEP_KINDS) == {
+        "map",
+        "matmul",
+        "gather",
+        "reshape",
+        "concat",
+        "sort",
+        "take",
+    }
     for kind, cls in steps.STEP_KINDS.items():
         assert cls.kind == kind and cls.unit in ("PE", "SFU", "LSU")
         assert cls in reference._COMPUTE

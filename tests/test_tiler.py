@@ -22,7 +22,15 @@ from spyre_jax.tools.testing import assert_close
 
 
 def test_every_scheduled_op_kind_has_one_plan_function():
-    assert set(PLANNERS) == {"map", "matmul", "gather", "reshape", "concatenate"}
+    assert set(PLANNERS) == {
+        "map",
+        "matmul",
+        "gather",
+        "reshape",
+        "concatenate",
+        "sort",
+        "take_along",
+    }
     assert TIERS == (Tier.WHOLE, Tier.RAGGED, Tier.SINGLE)
 
 

@@ -1,0 +1,116 @@
+"""torch FX rules: sorting, selection and gathers along a dim (``sort``, ``argsort``, ``topk``,
+``kthvalue``, ``msort``, ``gather``), through :mod:`lowering.sort_ops`.
+
+torch orders NaN above every number (whatever its sign) and ``-0.0`` equal to ``0.0``; the card's
+sorts are stable, so of equal values the first comes first (descending too), which is what
+``stable=True`` asks and what the CPU gives for the unstable forms on the sizes tested. They
+register into :data:`lowering.fx_common.RULES` when ``lowering.from_fx`` imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import sort_ops, torch_import
+from .builder import Builder, Lit
+from .fx_common import convert, ew_raw, norm_dim, result, rule
+from .graph import Var
+from .torch_import import torch
+
+aten = torch.ops.aten
+
+
+def _sorted(b: Builder, x: Var, dim: int, descending: bool, k: int | None = None) -> tuple:
+    if not x.shape:
+        return x, b.full((), 0, "int32")
+    d = norm_dim(dim, len(x.shape))
+    idx = sort_ops.argsort(b, [x], d, k=k, descending=descending)
+    return sort_ops.take_along(b, x, idx, d), idx
+
+
+@rule(aten.sort.default)
+def _sort(
+    b: Builder, node: torch.fx.Node, x: Var, dim: int = -1, descending: bool = False
+) -> tuple:
+    return _sorted(b, x, dim, descending)
+
+
+@rule(aten.sort.stable)
+def _sort_stable(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    *,
+    stable: bool | None = None,
+    dim: int = -1,
+    descending: bool = False,
+) -> tuple:
+    return _sorted(b, x, dim, descending)
+
+
+@rule(aten.argsort.default)
+def _argsort(
+    b: Builder, node: torch.fx.Node, x: Var, dim: int = -1, descending: bool = False
+) -> Var:
+    return _sorted(b, x, dim, descending)[1]
+
+
+@rule(aten.argsort.stable)
+def _argsort_stable(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    *,
+    stable: bool = False,
+    dim: int = -1,
+    descending: bool = False,
+) -> Var:
+    return _sorted(b, x, dim, descending)[1]
+
+
+@rule(aten.msort.default)
+def _msort(b: Builder, node: torch.fx.Node, x: Var) -> Var:
+    return _sorted(b, x, 0, False)[0]
+
+
+@rule(aten.topk.default)
+def _topk(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    k: int,
+    dim: int = -1,
+    largest: bool = True,
+    sorted: bool = True,  # noqa: A002  (ATen's name)
+) -> tuple:
+    """The ``k`` largest (smallest) in order, of equal values the first; NaN the largest."""
+    return _sorted(b, x, dim, largest, k=int(k))
+
+
+@rule(aten.kthvalue.default)
+def _kthvalue(
+    b: Builder, node: torch.fx.Node, x: Var, k: int, dim: int = -1, keepdim: bool = False
+) -> tuple:
+    return sort_ops.kth(b, x, int(k), norm_dim(dim, max(len(x.shape), 1)), keepdim)
+
+
+@rule(aten.gather.default)
+def _gather(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var, **kw: Any) -> Var:
+    """``out[i] = x[i with coordinate dim replaced by idx[i]]`` (the index may be smaller than
+    ``x`` along the other dims: ``x`` is sliced to it), negative indices wrapped; each row's
+    elements read at the indices in scratchpad (a ``take_along``)."""
+    shape, dt = result(node)
+    if not x.shape:
+        return x
+    d = norm_dim(dim, len(x.shape))
+    for j, s in enumerate(idx.shape):
+        if j != d and s != x.shape[j]:
+            x = b.slice_dim(x, j, 0, s)
+    i = convert(b, idx, "int32")
+    neg = b.elementwise("lt", [i, Lit(0, "int32")], i.shape, "bool")
+    wrapped = ew_raw(b, "add", [i, x.shape[d]], i.shape, "int32")
+    i = b.elementwise("select_n", [neg, i, wrapped], i.shape, "int32")
+    return convert(b, sort_ops.take_along(b, x, i, d), dt)
+
+
+torch_import.finish(__name__)  # see lowering.torch_import
