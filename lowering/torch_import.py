@@ -34,6 +34,7 @@ FX_MODULES = (
     "lowering.fx_elementwise",
     "lowering.fx_tensor",
     "lowering.fx_select",
+    "lowering.fx_scatter",
     "lowering.from_fx",
 )
 
