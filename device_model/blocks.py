@@ -131,6 +131,8 @@ def uninit_value(dtype: str) -> Any:
         return True
     if dtype == "int32":
         return -1
+    if dtype == "uint32":
+        return np.uint32(0xFFFFFFFF)
     return np.nan
 
 

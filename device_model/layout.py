@@ -19,7 +19,17 @@ import numpy as np
 __all__ = ["DTYPES", "TensorLayout", "layout_for", "np_dtype", "check_dtype", "SUPPORTED_DTYPES"]
 
 #: Device dtypes and their item sizes in bytes. bool is stored one byte per element.
-DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "bool": 1}
+#: uint32 is held as int32 bits (the card's integer type is int32, CARD.md); the units compute
+#: on it as unsigned (comparisons, shifts, division, conversions), as a compiler for the card
+#: would emit for it.
+DTYPES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "int32": 4,
+    "uint32": 4,
+    "bool": 1,
+}
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(DTYPES)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 

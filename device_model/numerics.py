@@ -170,6 +170,7 @@ _JNP_DTYPES: dict[str, Any] = {
     "bfloat16": jnp.bfloat16,
     "float32": jnp.float32,
     "int32": jnp.int32,
+    "uint32": jnp.uint32,
     "bool": jnp.bool_,
 }
 #: The storage dtypes :func:`store_round` accepts, by name.
@@ -216,7 +217,7 @@ def store_round(x: Any, dtype: Any, *, dl16: bool) -> jnp.ndarray:
     x = jnp.asarray(x)
     if name == "bool":
         return x != 0
-    if name == "int32":
+    if name in ("int32", "uint32"):
         return x.astype(target)
     x = x.astype(jnp.float32)
     if dl16 and name in ("float16", "bfloat16"):

@@ -152,8 +152,8 @@ def narrow(xp: Any, x: Any, dtype: str, dl16: bool = False) -> Any:
     """
     if dtype == "bool":
         return x != 0 if x.dtype != np.bool_ else x
-    if dtype == "int32" and x.dtype.kind == "f":
-        return xp.trunc(x).astype(np.int32)
+    if dtype in ("int32", "uint32") and x.dtype.kind == "f":
+        return _float_to_int(xp, x, dtype)
     if dl16 and dtype in ("float16", "bfloat16") and x.dtype.kind == "f":
         from . import numerics
 
@@ -193,14 +193,28 @@ def _round_away(xp: Any, x: Any) -> Any:
     return xp.sign(x) * xp.floor(xp.abs(x) + 0.5)
 
 
+def _float_to_int(xp: Any, x: Any, to: str) -> Any:
+    """A float to int32 or uint32 as XLA converts: toward zero, saturating at the type's range,
+    NaN to 0."""
+    info = np.iinfo(np_dtype(to))
+    t = xp.trunc(x.astype(np.float32))
+    t = xp.where(xp.isnan(t), 0, t)
+    # fp32 cannot hold the int32 maximum: clamp below it, then put the saturated ends back
+    lo, hi = float(info.min), float(info.max)
+    r = xp.clip(t, lo, min(hi, 2.0**31 - 128 if to == "int32" else 2.0**32 - 256))
+    r = r.astype(np_dtype(to))
+    r = xp.where(t >= hi, np_dtype(to).type(info.max), r)
+    return r
+
+
 def _convert(xp: Any, x: Any, to: str) -> Any:
     src_kind = x.dtype.kind
     if to == "bool":
         return x != 0
-    if to == "int32":
+    if to in ("int32", "uint32"):
         if src_kind == "f":
-            return xp.trunc(x).astype(np.int32)
-        return x.astype(np.int32)
+            return _float_to_int(xp, x, to)
+        return x.astype(np_dtype(to))
     # to a float type: round to that type's precision, then compute in fp32 again
     y = x.astype(np.float32)
     if to != "float32":
@@ -225,8 +239,8 @@ def _int_pow(xp: Any, x: Any, y: int) -> Any:
 
 
 def _bitcast(xp: Any, a: Any, to: str) -> Any:
-    """The 32 bits of ``a`` (float32 or int32) read as ``to``."""
-    dt = np.dtype(np.int32 if to == "int32" else np.float32)
+    """The 32 bits of ``a`` (float32, int32 or uint32) read as ``to``."""
+    dt = np_dtype(to)
     if xp is np:
         return np.ascontiguousarray(a).view(dt)
     from jax import lax

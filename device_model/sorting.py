@@ -56,9 +56,13 @@ def _bits(xp: Any, x: Any) -> Any:
 def order_keys(xp: Any, x: Any, order: str, descending: bool) -> list[Any]:
     """Arrays whose lexicographic ascending order is ``x``'s order (``order``, ``descending``).
 
-    Integers and bools sort as int32 (``~v`` reverses an int32's order exactly); floats in fp32
-    (widening keeps the order of fp16 and bf16 values, the sign of their NaNs too)."""
-    if x.dtype.kind in "biu":
+    Integers and bools sort as int32 (``~v`` reverses an int32's order exactly; uint32 with its
+    top bit flipped); floats in fp32 (widening keeps the order of fp16 and bf16 values, the
+    sign of their NaNs too)."""
+    if x.dtype.kind == "u":  # uint32: its order is int32's with the top bit flipped
+        v = (x.astype(np.uint32) ^ np.uint32(0x80000000)).astype(np.int32)
+        return [~v if descending else v]
+    if x.dtype.kind in "bi":
         v = x.astype(np.int32)
         return [~v if descending else v]
     x = x.astype(np.float32)

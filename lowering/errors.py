@@ -7,6 +7,7 @@ __all__ = [
     "TilingError",
     "LoweringError",
     "LoweringRuleError",
+    "PRNGKeyError",
     "rule_error",
 ]
 
@@ -120,3 +121,8 @@ PASS_THROUGH: tuple[type[BaseException], ...] = (
     UnsupportedPrimitiveError,
     TilingError,
 )
+
+
+class PRNGKeyError(TypeError):
+    """A PRNG key of an implementation the card does not run (only threefry2x32, JAX's
+    default, is supported)."""

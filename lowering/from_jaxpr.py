@@ -22,12 +22,13 @@ from . import (
     indexing,
     jaxpr_common,
     jaxpr_control,  # noqa: F401  (the rules of loops and branches register)
+    jaxpr_random,  # (the rules of random numbers register; keys' structural ops)
     jaxpr_sort,  # noqa: F401  (the rules of sorting and selection register)
 )
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
 from .graph import Graph, Var
-from .jaxpr_common import RULES, Rule, aval, rule
+from .jaxpr_common import INLINED, RULES, PRNGKeyError, Rule, aval, key_impl, rule
 from .source import user_line
 
 __all__ = ["from_jaxpr", "RULES", "Lit", "aval", "rule", "user_source_line"]
@@ -99,20 +100,7 @@ def _read(env: dict[Any, Any], x: Any) -> Any:
 
 
 #: primitives whose body is inlined: their equations are checked one by one inside
-_INLINED = frozenset(
-    {
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "remat",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
+_INLINED = INLINED
 
 
 def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
@@ -123,7 +111,7 @@ def _run(b: Builder, jaxpr: Any, env: dict[Any, Any]) -> list[Any]:
         where = _user_frame(eqn.source_info) or b.source or user_source_line(eqn.source_info)
         if name not in _INLINED:
             _check_eqn_dtypes(jaxpr, eqn, where)
-        fn = RULES.get(name)
+        fn = jaxpr_random.key_rule(eqn) or RULES.get(name)
         if fn is None:
             raise UnsupportedPrimitiveError(
                 "JAX", name, _eqn_text(eqn), where, _eqn_context(jaxpr, eqn)
@@ -154,6 +142,13 @@ def _check_eqn_dtypes(jaxpr: Any, eqn: Any, where: str) -> None:
             dt = getattr(getattr(v, "aval", None), "dtype", None)
             if dt is None:
                 continue
+            try:
+                if key_impl(dt) is not None:  # a threefry key: its uint32 data
+                    continue
+            except PRNGKeyError as e:
+                raise PRNGKeyError(
+                    f"{e}\n  equation: {_eqn_text(eqn)}\n  at: {where or '<unknown source line>'}"
+                ) from None
             try:
                 name = np.dtype(dt).name
             except TypeError:  # extended dtypes (PRNG keys) have no NumPy counterpart
@@ -658,5 +653,7 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     return [out]
 
 
-# the rules of loops and branches import their bodies with this importer
+# the rules of loops and branches import their bodies with this importer, and the rules of
+# random numbers inline the jaxprs of JAX's own PRNG functions
 jaxpr_common.import_body = from_jaxpr
+jaxpr_common.inline = _inline

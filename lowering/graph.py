@@ -72,7 +72,14 @@ class Var:
 
 
 def _ty(v: Var) -> str:
-    short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "int32": "i32", "bool": "bool"}
+    short = {
+        "float16": "f16",
+        "bfloat16": "bf16",
+        "float32": "f32",
+        "int32": "i32",
+        "uint32": "u32",
+        "bool": "bool",
+    }
     return f"{short.get(v.dtype, v.dtype)}[{','.join(map(str, v.shape))}]"
 
 

@@ -428,6 +428,10 @@ def gather(
     ``x[i, j]``). The operand is a table of rows (its batching dims, then its indexed dims; the
     rest flattened into a row), each output row one ``gather`` by an index computed on the card:
     clamped (``clip``), or -1 where a coordinate is out of range (the row is ``fill``)."""
+    if index.dtype == "uint32":  # (saturated below 2**31: still out of range where it was)
+        index = b.elementwise("min", [index, Lit(0x7FFFFFFF, "uint32")], index.shape, "uint32")
+    if index.dtype != _I32:
+        index = b.emit("convert", [index], index.shape, _I32, dtype=_I32)
     r = len(x.shape)
     lead_dims = (*operand_batching, *start_index_map)
     rest = [d for d in range(r) if d not in lead_dims]

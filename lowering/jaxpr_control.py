@@ -161,10 +161,11 @@ def _stack(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
 def _bitcast_convert(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, dt = _aval(eqn.outvars[0])
     x = b.as_var(args[0], shape)
-    bits = ("float32", "int32")
+    bits = ("float32", "int32", "uint32")
     if x.dtype not in bits or dt not in bits:
         raise LoweringError(
-            f"bitcast_convert_type is supported between float32 and int32; got {x.dtype} -> {dt}"
+            "bitcast_convert_type is supported between the 32-bit types float32, int32 and "
+            f"uint32; got {x.dtype} -> {dt}"
         )
     if x.dtype == dt:
         return [x]

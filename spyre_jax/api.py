@@ -33,7 +33,15 @@ def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array | np.ndarray | np.generic | jax.Array | jax.ShapeDtypeStruct)
 
 
-def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
+def _is_key(x: Any) -> bool:
+    """A JAX array of typed PRNG keys (``jax.random.key``): its key data goes to the card."""
+    dt = getattr(x, "dtype", None)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+
+
+def _leaf_aval(x: Any) -> tuple[tuple[int, ...], Any]:
+    if _is_key(x):
+        return tuple(np.shape(x)), x.dtype  # traced as keys; the card holds their uint32 data
     if isinstance(x, Array):
         x._check_alive()  # raises the RuntimeError saying it was deleted
         lay = x.layout
@@ -53,7 +61,9 @@ def _leaf_aval(x: Any) -> tuple[tuple[int, ...], str]:
 
 def _is_int64(x: Any) -> bool:
     """A host array or NumPy scalar of dtype int64 (narrowed to int32 on the card)."""
-    return not isinstance(x, Array) and hasattr(x, "dtype") and np.dtype(x.dtype) == np.int64
+    if isinstance(x, Array) or not hasattr(x, "dtype") or _is_key(x):
+        return False
+    return np.dtype(x.dtype) == np.int64
 
 
 _INT64_WARNING = "spyre: int64 is narrowed to int32 on the card"
@@ -64,7 +74,16 @@ def _host_arg(x: Any) -> Any:
     if isinstance(x, Array):
         x._check_alive()
         return x._buf
+    if _is_key(x):
+        return np.asarray(jax.random.key_data(x))
     return np.asarray(x).astype(np.int32) if _is_int64(x) else x
+
+
+def _spec_dtype(d: Any) -> Any:
+    """The dtype a traced argument's ShapeDtypeStruct gets (a key dtype is its own)."""
+    if not isinstance(d, str):
+        return d
+    return jax.numpy.bfloat16 if d == "bfloat16" else np.dtype(d)
 
 
 def _with_inlined(cost: dict[str, Any], inlined: list[dict]) -> dict[str, Any]:
@@ -89,6 +108,8 @@ class Compiled:
         self.program = program
         self.inlined = list(inlined or [])
         self._out_tree = out_tree
+        #: per flat output: the PRNG implementation's name of a typed-key output, else None
+        self.key_outs: tuple[str | None, ...] = ()
         self.compile_seconds = compile_s
         if program is not None:
             self.executable: Any = LoadedProgram(program, runtime())
@@ -134,7 +155,11 @@ class Compiled:
             bufs = self.executable.run(args)
         else:
             bufs = launch(self.executable, args)
-        return jax.tree_util.tree_unflatten(self._out_tree, [Array(b) for b in bufs])
+        outs: list[Any] = [Array(b) for b in bufs]
+        for i, kd in enumerate(self.key_outs):
+            if kd is not None:  # typed keys: a JAX key array of the data (copied to the host)
+                outs[i] = jax.random.wrap_key_data(np.asarray(outs[i]), impl=kd)
+        return jax.tree_util.tree_unflatten(self._out_tree, outs)
 
 
 class Lowered:
@@ -157,6 +182,8 @@ class Lowered:
         self.program = program
         #: the loops the compiler unrolled and the branches it computed both ways, and why
         self.inlined = list(inlined or [])
+        #: per flat output: the PRNG implementation's name of a typed-key output, else None
+        self.key_outs: tuple[str | None, ...] = ()
 
     def as_text(self, ir: str = "schedule") -> str:
         """The schedule (``ir="schedule"``: the host program, with its loops' bodies, for a
@@ -172,6 +199,7 @@ class Lowered:
         if c is None:
             dt = time.perf_counter() - self._t0
             c = Compiled(self.graph, self.kernel, self._out_tree, dt, self.program, self.inlined)
+            c.key_outs = self.key_outs
             self._jitted._cache[self._key] = c
         return c
 
@@ -247,12 +275,12 @@ class Jitted:
             out = self.fun(*args, **dyn_kw, **dict(static_kw))
             flat, out_tree = jax.tree_util.tree_flatten(out)
             out_store["tree"] = out_tree
+            out_store["keys"] = tuple(
+                str(jax.random.key_impl(o)) if _is_key(o) else None for o in flat
+            )
             return flat
 
-        specs = [
-            jax.ShapeDtypeStruct(s, np.dtype(d) if d != "bfloat16" else jax.numpy.bfloat16)
-            for s, d in avals
-        ]
+        specs = [jax.ShapeDtypeStruct(s, _spec_dtype(d)) for s, d in avals]
         self.trace_count += 1
         closed = jax.make_jaxpr(flat_fun)(*specs)
         name = getattr(self.fun, "__name__", "fn")
@@ -269,9 +297,12 @@ class Jitted:
             lowered = unroll_scans(graph, card, compile_graph, notes)
         if has_control(lowered):
             program = lower_program(lowered, card, compile_graph, notes)
-            return Lowered(self, key, graph, None, out_store["tree"], t0, program, notes)
-        kernel = compile_graph(lowered, card)
-        return Lowered(self, key, graph, kernel, out_store["tree"], t0, inlined=notes)
+            low = Lowered(self, key, graph, None, out_store["tree"], t0, program, notes)
+        else:
+            kernel = compile_graph(lowered, card)
+            low = Lowered(self, key, graph, kernel, out_store["tree"], t0, inlined=notes)
+        low.key_outs = out_store["keys"]
+        return low
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower for these arguments (shapes, dtypes and static values). An array

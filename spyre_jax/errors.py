@@ -6,6 +6,7 @@ from device_model.streams import RaceError, RaceWarning, StreamError
 from lowering.errors import (
     LoweringError,
     LoweringRuleError,
+    PRNGKeyError,
     TilingError,
     UnsupportedPrimitiveError,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "GraphError",
     "LoweringError",
     "LoweringRuleError",
+    "PRNGKeyError",
     "RaceError",
     "RaceWarning",
     "StreamError",

@@ -246,6 +246,8 @@ def test_bench_jax_decode_json(capsys):
     assert r["fp16_mismatch_within_tolerance"]
     assert r["sim_us_per_token"] > 0 and r["torch_sim_us_per_token"] > 0
     assert r["sim_wall_s_per_token"] > 0 and r["cpu_wall_s_per_token"] > 0
+    # the sampled variant: jax.random and top_k on the card, the same tokens as jax.jit
+    assert r["sampled_tokens_equal_cpu"] == 3 and r["sampled_sim_us_per_token"] > 0
 
 
 def test_fuzz_runs_programs_and_reports(capsys):

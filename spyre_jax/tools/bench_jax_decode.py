@@ -1,5 +1,5 @@
 """``spyre-jax bench jax-decode``: a Llama-style model written in plain JAX, generating greedily
-in one ``spyre_jax.jit`` call.
+and by sampling in one ``spyre_jax.jit`` call each.
 
 The model is ``bench serve``'s 2-layer Llama of width 128 (``transformers``' ``LlamaForCausalLM``,
 seeded random weights) with its weights taken into JAX: layers stacked and scanned over
@@ -13,7 +13,10 @@ the first that does not had a top-2 logit gap (in the fp32 reference) within fp1
 the simulated time per new token (the decode loop's iteration in ``cost_analysis()``, with the
 host's waits between launches, and its kernels' time alone) beside the torch path's kernel time
 for the same model (``bench serve``, static cache: its figure has no host time); the
-simulation's wall time per token (a warm call) beside ``jax.jit`` on the CPU.
+simulation's wall time per token (a warm call) beside ``jax.jit`` on the CPU. The sampled
+variant (top-k 20, temperature 0.8, ``jax.random`` on the card, its key carried by the loop):
+its tokens against ``jax.jit`` on the CPU from the same key, and its simulated and wall time
+per token over greedy decoding's.
 """
 
 from __future__ import annotations
@@ -82,9 +85,20 @@ def _rotate(x: Any, cos: Any, sin: Any) -> Any:
     return x * cos + rot * sin
 
 
-def generate(params: dict[str, Any], prompt: Any, *, new: int, cfg: Any) -> tuple[Any, Any]:
-    """Greedy decoding: the ``new`` token ids after ``prompt`` (``[P]`` int32), and each step's
-    gap between its two largest logits."""
+def generate(
+    params: dict[str, Any],
+    prompt: Any,
+    *,
+    new: int,
+    cfg: Any,
+    key: Any = None,
+    top_k: int = 0,
+    temperature: float = 1.0,
+) -> tuple[Any, Any]:
+    """Greedy decoding (``key`` None): the ``new`` token ids after ``prompt`` (``[P]`` int32),
+    and each step's gap between its two largest logits. With a ``key``: sampled decoding, each
+    step drawing from the softmax of the logits over ``temperature`` (among the ``top_k``
+    largest when ``top_k`` > 0) with a key split off the carried one."""
     H, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
     D = cfg.hidden_size
     hd, eps = D // H, cfg.rms_norm_eps
@@ -132,22 +146,30 @@ def generate(params: dict[str, Any], prompt: Any, *, new: int, cfg: Any) -> tupl
     caches = (jnp.zeros((L, S, Hk, hd), dt), jnp.zeros((L, S, Hk, hd), dt))
     logits, caches = forward(params["embed"][prompt], 0, P, caches)
 
-    def pick(logits: Any) -> tuple[Any, Any]:
+    def pick(logits: Any, k: Any) -> tuple[Any, Any, Any]:
         best = jnp.argmax(logits).astype(jnp.int32)
         second = jnp.max(jnp.where(jnp.arange(logits.shape[0]) == best, -jnp.inf, logits))
-        return best, logits[best] - second
+        if k is None:
+            return best, logits[best] - second, k
+        k, sub = jax.random.split(k)
+        if top_k:
+            vals, idx = lax.top_k(logits, top_k)
+            tok = idx[jax.random.categorical(sub, vals / temperature)]
+        else:
+            tok = jax.random.categorical(sub, logits / temperature)
+        return tok.astype(jnp.int32), logits[best] - second, k
 
     def step(i: Any, c: Any) -> Any:
-        logits, caches, toks, gaps = c
-        tok, gap = pick(logits)
+        logits, caches, toks, gaps, k = c
+        tok, gap, k = pick(logits, k)
         toks = lax.dynamic_update_slice(toks, tok[None], (i,))
         gaps = lax.dynamic_update_slice(gaps, gap[None], (i,))
         h = lax.dynamic_slice(params["embed"], (tok, 0), (1, D))
         logits, caches = forward(h, P + i, 1, caches)
-        return logits, caches, toks, gaps
+        return logits, caches, toks, gaps, k
 
-    init = (logits, caches, jnp.zeros(new, jnp.int32), jnp.zeros(new, jnp.float32))
-    _, _, toks, gaps = lax.fori_loop(0, new, step, init)
+    init = (logits, caches, jnp.zeros(new, jnp.int32), jnp.zeros(new, jnp.float32), key)
+    _, _, toks, gaps, _ = lax.fori_loop(0, new, step, init)
     return toks, gaps
 
 
@@ -156,6 +178,34 @@ def _timed(f: Any, *args: Any) -> tuple[Any, float]:
     out = f(*args)
     toks = np.asarray(out[0])
     return (toks, np.asarray(out[1])), time.perf_counter() - t0
+
+
+def _sampled(p32: Any, ids: Any, cfg: Any, tokens: int, greedy: dict[str, Any]) -> dict:
+    """The sampled variant (top-k 20 at temperature 0.8, a key carried through the loop): its
+    tokens against ``jax.jit`` on the CPU from the same key, and its simulated and wall time
+    per token beside greedy decoding's (``greedy``: the greedy run's figures)."""
+
+    def fn(p: Any, ids: Any, key: Any) -> Any:
+        return generate(p, ids, new=tokens, cfg=cfg, key=key, top_k=20, temperature=0.8)
+
+    key = jax.random.key(0)
+    (want, _), _ = _timed(jax.jit(fn), p32, ids, key)
+    card = spyre_jax.jit(fn)
+    (got, _), _ = _timed(card, p32, ids, key)
+    _, warm_s = _timed(card, p32, ids, key)
+    compiled = next(iter(card._cache.values()))
+    decode = [r for r in compiled.cost_analysis().get("control", []) if r["iterations"] == tokens]
+    us = decode[0]["iteration_us"] if decode else float("nan")
+    kus = decode[0]["kernel_us"] if decode else float("nan")
+    wall = warm_s / tokens
+    return {
+        "sampled_tokens_equal_cpu": int((got == want).sum()),
+        "sampled_sim_us_per_token": us,
+        "sampled_sim_kernel_us_per_token": kus,
+        "sampled_over_greedy_sim": us / greedy["sim_us_per_token"],
+        "sampled_wall_s_per_token": wall,
+        "sampled_over_greedy_wall": wall / greedy["sim_wall_s_per_token"],
+    }
 
 
 def bench_jax_decode(
@@ -203,6 +253,7 @@ def bench_jax_decode(
         cpu_wall_s_per_token=cpu_s / tokens,
     )
     res["sim_over_cpu"] = res["sim_wall_s_per_token"] / res["cpu_wall_s_per_token"]
+    res.update(_sampled(p32, ids, cfg, tokens, res))
     if torch_path:
         serve = run_serve("llama-tiny", layers=layers, seq=seq, tokens=tokens)
         res["torch_sim_us_per_token"] = serve["sim_decode_us_per_token"]
@@ -226,6 +277,15 @@ def format_jax_decode(r: dict[str, Any]) -> str:
         f"{r['cpu_wall_s_per_token'] * 1e3:.2f} ms ({r['sim_over_cpu']:.0f}x); "
         f"cold {r['cold_s']:.1f} s",
     ]
+    lines.append(
+        f"sampled (top-k 20, temperature 0.8): tokens equal to jax.jit "
+        f"{r['sampled_tokens_equal_cpu']}/{r['new_tokens']}; simulated "
+        f"{r['sampled_sim_us_per_token']:.1f} us per token "
+        f"({r['sampled_over_greedy_sim']:.2f}x greedy; kernels "
+        f"{r['sampled_sim_kernel_us_per_token']:.1f} us); wall "
+        f"{r['sampled_wall_s_per_token'] * 1e3:.1f} ms "
+        f"({r['sampled_over_greedy_wall']:.2f}x greedy)"
+    )
     if "torch_sim_us_per_token" in r:
         lines.append(
             f"torch path (bench serve, static cache): {r['torch_sim_us_per_token']:.1f} us of "

@@ -229,12 +229,15 @@ class Book:
         for p in self.paths:
             self.add(name, p, status, note=note)
 
-    def result(self, frontend: str, **extra: Any) -> dict[str, Any]:
+    def totals(self, names: Any = None) -> dict[str, dict[str, int]]:
+        """Per path: the counts of each status, and the ops tried, passing every sample and
+        passing some, over the ops ``names`` (None: all of them)."""
+        recs = [r for n, r in self.ops.items() if names is None or n in names]
         totals = {}
         for p in self.paths:
             t = _counts()
             ops_tried = ops_passed = ops_some = 0
-            for rec in self.ops.values():
+            for rec in recs:
                 c = rec[p]
                 for s in STATUSES:
                     t[s] += c[s]
@@ -251,6 +254,10 @@ class Book:
                 ops_partly_passed=ops_some,
             )
             totals[p] = t
+        return totals
+
+    def result(self, frontend: str, **extra: Any) -> dict[str, Any]:
+        totals = self.totals()
         return {
             "frontend": frontend,
             **extra,
@@ -451,6 +458,12 @@ def format_table(result: dict[str, Any], *, top: int = 15, notes: bool = False) 
             + ", ".join(f"{s} {t[s]}" for s in STATUSES)
             + ")"
         )
+    for group, gt in result.get("groups", {}).items():
+        for p, t in gt.items():
+            lines.append(
+                f"  {group} ({p}): ops passed {t['ops_passed']}/{t['ops_tried']}, samples "
+                f"passed {t['samples_passed']}/{t['samples_tried']}"
+            )
     for p in paths:
         uns = list(result["unsupported"].get(p, {}).items())[:top]
         if uns:

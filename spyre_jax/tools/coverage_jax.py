@@ -3,9 +3,10 @@
 :func:`coverage_jax` runs the table of :mod:`spyre_jax.tools.jax_ops` (:data:`JAX_OPS`, about 250
 entries: ``jax.numpy`` unary math, binary arithmetic and comparisons, reductions over axes with
 ``keepdims``, cumulative ops, shape and indexing ops, linear algebra, ``jax.nn`` and ``jax.lax``
-ops, control flow), each with 2-3 samples at odd shapes in float32 and float16 (ints and bools
-where the op needs them), through ``spyre_jax.jit`` and compares with ``jax.jit`` on the CPU.
-Outcomes are classified as :mod:`spyre_jax.tools.coverage_common` says.
+ops, control flow; then :data:`~spyre_jax.tools.jax_ops_31.ISSUE31_OPS`, the rows issue 31 added,
+counted apart in the result's ``groups``), each with 2-3 samples at odd shapes in float32 and
+float16 (ints and bools where the op needs them), through ``spyre_jax.jit`` and compares with
+``jax.jit`` on the CPU. Outcomes are classified as :mod:`spyre_jax.tools.coverage_common` says.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import spyre_jax
 
 from .coverage_common import TOLERANCE, Book, classify, close_np, time_guard
 from .jax_ops import JAX_OPS, SHAPES, make_samples
+from .jax_ops_31 import ISSUE31_OPS
 
 __all__ = ["coverage_jax"]
 
@@ -56,7 +58,7 @@ def coverage_jax(
     ``"jit"``. The result has the shape of ``coverage_torch``'s (``"frontend": "jax"``).
     """
     t0 = time.perf_counter()
-    cases = list(JAX_OPS)
+    cases = list(JAX_OPS) + list(ISSUE31_OPS)
     if names is not None:
         want = set(names)
         cases = [c for c in cases if c.name in want]
@@ -79,6 +81,11 @@ def coverage_jax(
             elapsed_s=round(time.perf_counter() - t0, 1),
             truncated=truncated,
             config=config,
+            # the table issue 31 started from, and the rows it added, counted apart
+            groups={
+                "table": book.totals({c.name for c in JAX_OPS}),
+                "issue 31 rows": book.totals({c.name for c in ISSUE31_OPS}),
+            },
         )
 
     cpu = jax.devices("cpu")[0]

@@ -43,11 +43,12 @@ BOOL = ("bool",)
 class Arg:
     """One input of a sample, drawn from the run's generator.
 
-    ``kind``: ``"uniform"`` (values in ``[lo, hi)``; integers in ``[lo, hi)``; bools half
-    true), ``"nonzero"`` (magnitudes in [0.5, 2] with random signs: safe divisors),
-    ``"sorted"`` (uniform, then sorted), ``"spd"`` (a symmetric positive definite matrix,
-    ``a @ a.T + n * I``) or ``"const"`` (the scalar ``value``; nothing is drawn). ``dtype``: a
-    fixed dtype (``"int32"`` for indices), or None for the dtype the entry runs in.
+    ``kind``: ``"uniform"`` (values in ``[lo, hi)``; integers in ``[lo, hi)``; bools half true),
+    ``"nonzero"`` (magnitudes in [0.5, 2] with random signs: safe divisors), ``"sorted"`` (uniform,
+    then sorted), ``"spd"`` (a symmetric positive definite matrix, ``a @ a.T + n * I``), ``"key"``
+    (a ``jax.random.key`` of a drawn seed; its raw uint32 data with ``dtype="uint32"``) or
+    ``"const"`` (the scalar ``value``; nothing is drawn). ``dtype``: a fixed dtype (``"int32"`` for
+    indices), or None for the dtype the entry runs in.
     """
 
     shape: tuple[int, ...]
@@ -95,6 +96,9 @@ def _arr(
 
 
 def _draw(arg: Arg, rng: np.random.Generator, dtype: np.dtype) -> Any:
+    if arg.kind == "key":  # a threefry key (raw uint32 data with dtype="uint32")
+        seed = int(rng.integers(0, 2**31))
+        return jax.random.PRNGKey(seed) if arg.dtype == "uint32" else jax.random.key(seed)
     dt = np.dtype(arg.dtype or dtype)
     if arg.kind == "uniform":
         return _arr(rng, arg.shape, dt, arg.lo, arg.hi)
