@@ -22,6 +22,7 @@ from . import (
     indexing,
     jaxpr_common,
     jaxpr_control,  # noqa: F401  (the rules of loops and branches register)
+    jaxpr_conv,  # noqa: F401  (the rule of convolutions registers)
     jaxpr_random,  # (the rules of random numbers register; keys' structural ops)
     jaxpr_sort,  # noqa: F401  (the rules of sorting and selection register)
 )

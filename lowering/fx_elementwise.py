@@ -283,6 +283,13 @@ def _full(b: Builder, node: torch.fx.Node, size: Any, value: Any, **kw: Any) -> 
     return b.full(shape, value, dt)
 
 
+@rule(aten.empty.memory_format, aten.empty_like.default)
+def _empty(b: Builder, node: torch.fx.Node, size: Any, **kw: Any) -> Var:
+    """Uninitialized memory: zeros (a program reads only what it wrote into it)."""
+    shape, dt = result(node)
+    return b.full(shape, 0, dt)
+
+
 @rule(aten.full_like.default)
 def _full_like(b: Builder, node: torch.fx.Node, x: Any, value: Any, **kw: Any) -> Var:
     shape, dt = result(node)

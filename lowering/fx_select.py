@@ -13,7 +13,7 @@ from typing import Any
 
 from . import sort_ops, torch_import
 from .builder import Builder, Lit
-from .fx_common import convert, ew_raw, norm_dim, result, rule
+from .fx_common import bcast, convert, ew_raw, norm_dim, result, rule
 from .graph import Var
 from .torch_import import torch
 
@@ -92,6 +92,45 @@ def _kthvalue(
     b: Builder, node: torch.fx.Node, x: Var, k: int, dim: int = -1, keepdim: bool = False
 ) -> tuple:
     return sort_ops.kth(b, x, int(k), norm_dim(dim, max(len(x.shape), 1)), keepdim)
+
+
+@rule(aten.slice_scatter.default)
+def _slice_scatter(
+    b: Builder,
+    node: torch.fx.Node,
+    x: Var,
+    src: Var,
+    dim: int = 0,
+    start: int | None = None,
+    end: int | None = None,
+    step: int = 1,
+) -> Var:
+    """``x`` with ``src`` written over ``x[start:end:step]`` along ``dim`` (what an in-place
+    slice assignment becomes once functionalized): a step of 1 is the pieces of ``x`` around
+    ``src`` joined; a larger step interleaves ``src`` with ``x``'s other positions."""
+    shape, dt = result(node)
+    d = norm_dim(dim, len(x.shape))
+    n = x.shape[d]
+    lo, hi, _ = slice(start, end, step).indices(n)
+    src = convert(b, src, dt)
+    x = convert(b, x, dt)
+    if step == 1:
+        return b.concat([b.slice_dim(x, d, 0, lo), src, b.slice_dim(x, d, hi, n)], d)
+    idx = list(range(n))  # each position: from x, or the j-th element of src
+    picks = [
+        (1, (i - lo) // step) if lo <= i < hi and (i - lo) % step == 0 else (0, i) for i in idx
+    ]
+    pieces = [b.slice_dim(src if w else x, d, j, j + 1) for w, j in picks]
+    return b.concat(pieces, d)
+
+
+@rule(aten.copy.default)
+def _copy(b: Builder, node: torch.fx.Node, x: Var, src: Any, non_blocking: bool = False) -> Var:
+    """``x.copy_(src)`` functionalized: ``src`` broadcast and converted to ``x``'s type."""
+    shape, dt = result(node)
+    if not isinstance(src, Var):
+        return b.full(shape, src, dt)
+    return bcast(b, convert(b, src, dt), shape)
 
 
 @rule(aten.gather.default)

@@ -35,6 +35,7 @@ FX_MODULES = (
     "lowering.fx_tensor",
     "lowering.fx_select",
     "lowering.fx_scatter",
+    "lowering.fx_conv",
     "lowering.from_fx",
 )
 

@@ -1,0 +1,163 @@
+"""Convolutions from the graph IR's ops, for both importers: a GEMM of input patches and the
+kernel on the PE.
+
+The input is taken channels-last (the channels on the stick dim) and padded (interior padding for an
+input dilation: a transposed convolution); an input of few channels (an image's 3:
+:data:`FEW_CHANNELS`) is taken channels-first instead, its width on the sticks, and its patches
+gathered as ``[C * taps, N * OH * OW]`` for ``kernel @ patches``. Channels-last, its patches are
+gathered as ``[N, OH, OW, taps, C]``: where the stride equals the kernel and nothing overlaps (a
+ViT's patch embedding) that is a reshape and a transpose of the input; otherwise one strided slice
+per kernel tap, concatenated (an explicit im2col: the patches are written to device memory once,
+``taps`` times the input, and read once by the matmul). Groups are the batch of a batched matmul
+(``[G, M, taps * C/G] x [G, taps * C/G, O/G]``), so a depthwise convolution is ``C`` small matmuls.
+The products accumulate in fp32 and round once to the output dtype, as the card's matmuls do.
+
+1-D convolutions are 2-D ones of height 1. 3-D convolutions are refused (LoweringError).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .builder import Builder, Lit
+from .errors import LoweringError
+from .graph import Var
+
+__all__ = ["conv", "FEW_CHANNELS"]
+
+#: below this many input channels (an image's 3) the patches are gathered channels-first, the
+#: output's width on the sticks: channels-last, a stick would hold 3 useful elements of 64 (a
+#: choice of the lowering, not a figure of the card)
+FEW_CHANNELS = 16
+
+
+def _conv_few_channels(
+    b: Builder, x: Var, w: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int], dt: str
+) -> Var:
+    """A convolution of few input channels (one group) on the padded ``x`` ``[N, C, Hp, Wp]``:
+    the patches as ``[C * taps, N * OH * OW]`` (each tap a strided slice, the width on the
+    sticks), the kernel ``[O, C * taps]`` (its natural order), one matmul giving ``[O, M]``."""
+    N, C, Hp, Wp = x.shape
+    Co = w.shape[0]
+    (KH, KW), (sh, sw), (dh, dw) = k, s, d
+    OH, OW = (Hp - (KH - 1) * dh - 1) // sh + 1, (Wp - (KW - 1) * dw - 1) // sw + 1
+    M = N * OH * OW
+    xc = b.transpose(x, (1, 0, 2, 3))  # [C, N, Hp, Wp]: the width stays on the sticks
+    pieces = []
+    for kh in range(KH):
+        for kw in range(KW):
+            h0, w0 = kh * dh, kw * dw
+            sl = b.emit(
+                "slice",
+                [xc],
+                (C, N, OH, OW),
+                xc.dtype,
+                starts=(0, 0, h0, w0),
+                limits=(C, N, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1),
+                strides=(1, 1, sh, sw),
+            )
+            pieces.append(b.reshape(sl, (C, 1, M)))
+    rhs = b.reshape(b.concat(pieces, 1), (1, C * KH * KW, M))
+    lhs = b.reshape(w, (1, Co, C * KH * KW))
+    if lhs.dtype != rhs.dtype:
+        lhs = b.emit("convert", [lhs], lhs.shape, rhs.dtype, dtype=rhs.dtype)
+    prod = b.emit("matmul", [lhs, rhs], (1, Co, M), dt, dtype=dt)
+    return b.transpose(b.reshape(prod, (Co, N, OH, OW)), (1, 0, 2, 3))
+
+
+def _taps(b: Builder, xl: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int]) -> Var:
+    """The patches of the padded channels-last input ``xl`` ``[N, Hp, Wp, C]``: ``[N, OH, OW,
+    KH * KW, C]`` (taps in row-major kernel order)."""
+    N, Hp, Wp, C = xl.shape
+    (KH, KW), (sh, sw), (dh, dw) = k, s, d
+    OH, OW = (Hp - (KH - 1) * dh - 1) // sh + 1, (Wp - (KW - 1) * dw - 1) // sw + 1
+    if (dh, dw) == (1, 1) and (sh, sw) == (KH, KW):  # non-overlapping patches: a re-layout
+        crop = b.slice_dim(b.slice_dim(xl, 1, 0, OH * KH), 2, 0, OW * KW)
+        six = b.reshape(crop, (N, OH, KH, OW, KW, C))
+        return b.reshape(b.transpose(six, (0, 1, 3, 2, 4, 5)), (N, OH, OW, KH * KW, C))
+    pieces = []
+    for kh in range(KH):
+        for kw in range(KW):
+            h0, w0 = kh * dh, kw * dw
+            lim = (N, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1, C)
+            sl = b.emit(
+                "slice",
+                [xl],
+                (N, OH, OW, C),
+                xl.dtype,
+                starts=(0, h0, w0, 0),
+                limits=lim,
+                strides=(1, sh, sw, 1),
+            )
+            pieces.append(b.reshape(sl, (N, OH, OW, 1, C)))
+    return b.concat(pieces, 3)
+
+
+def conv(
+    b: Builder,
+    x: Var,
+    w: Var,
+    *,
+    strides: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int],
+    rhs_dilation: Sequence[int],
+    groups: int,
+    out_dtype: str,
+) -> Var:
+    """``lax.conv_general_dilated`` on ``x`` ``[N, C, *S]`` and ``w`` ``[O, C / groups, *K]``
+    (1 or 2 spatial dims) -> ``[N, O, *OS]`` in ``out_dtype``. ``padding`` per spatial dim
+    (low, high), non-negative."""
+    nsp = len(x.shape) - 2
+    if nsp not in (1, 2):
+        raise LoweringError(
+            f"spyre: {nsp}-D convolution is not supported on the card (1-D and 2-D are)"
+        )
+    if any(lo < 0 or hi < 0 for lo, hi in padding):
+        raise LoweringError(f"spyre: negative convolution padding {list(padding)}")
+    if nsp == 1:  # a 1-D convolution: a 2-D one of height 1
+        x = b.reshape(x, (x.shape[0], x.shape[1], 1, x.shape[2]))
+        w = b.reshape(w, (w.shape[0], w.shape[1], 1, w.shape[2]))
+        strides, padding = (1, *strides), ((0, 0), *padding)
+        lhs_dilation, rhs_dilation = (1, *lhs_dilation), (1, *rhs_dilation)
+    N, C = x.shape[:2]
+    Co, Cg, KH, KW = w.shape
+    G = groups
+    if C != G * Cg or Co % G:
+        raise LoweringError(
+            f"spyre: convolution of {C} input channels by a kernel of {Cg} per group in {G} "
+            f"groups and {Co} outputs"
+        )
+    Og, T = Co // G, KH * KW
+    if G == 1 and C < FEW_CHANNELS:
+        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
+        if any(c != (0, 0, 0) for c in cfg):
+            x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
+        out = _conv_few_channels(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
+        return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
+    xl = b.transpose(x, (0, 2, 3, 1))
+    cfg = [(0, 0, 0)] + [
+        (lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)
+    ]
+    if any(c != (0, 0, 0) for c in cfg):
+        xl = b.pad(xl, Lit(0, xl.dtype), [*cfg, (0, 0, 0)])
+    patches = _taps(b, xl, (KH, KW), tuple(strides), tuple(rhs_dilation))  # [N, OH, OW, T, C]
+    OH, OW = patches.shape[1:3]
+    M = N * OH * OW
+    if G == 1:
+        lhs = b.reshape(patches, (1, M, T * C))
+    else:
+        grouped = b.reshape(patches, (M, T, G, Cg))
+        lhs = b.reshape(b.transpose(grouped, (2, 0, 1, 3)), (G, M, T * Cg))
+    wg = b.reshape(w, (G, Og, Cg, KH, KW))
+    rhs = b.reshape(b.transpose(wg, (0, 3, 4, 2, 1)), (G, T * Cg, Og))
+    if rhs.dtype != lhs.dtype:
+        rhs = b.emit("convert", [rhs], rhs.shape, lhs.dtype, dtype=lhs.dtype)
+    prod = b.emit("matmul", [lhs, rhs], (G, M, Og), out_dtype, dtype=out_dtype)
+    out = b.reshape(b.transpose(prod, (1, 0, 2)), (N, OH, OW, Co)) if G > 1 else prod
+    out = b.transpose(b.reshape(out, (N, OH, OW, Co)), (0, 3, 1, 2))
+    if nsp == 1:
+        out = b.reshape(out, (N, Co, OW))
+    assert math.prod(out.shape) == N * Co * OH * OW
+    return out
