@@ -94,7 +94,15 @@ def _kthvalue(
     return sort_ops.kth(b, x, int(k), norm_dim(dim, max(len(x.shape), 1)), keepdim)
 
 
-@rule(aten.slice_scatter.default)
+def _slice_scatter_ok(node: torch.fx.Node) -> bool:
+    """A step of 1, or a dim short enough to interleave position by position (else the CPU)."""
+    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    return step == 1 or (x is not None and int(x.shape[dim]) <= 256)
+
+
+@rule(aten.slice_scatter.default, when=_slice_scatter_ok)
 def _slice_scatter(
     b: Builder,
     node: torch.fx.Node,
