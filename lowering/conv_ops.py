@@ -17,6 +17,7 @@ The products accumulate in fp32 and round once to the output dtype, as the card'
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -24,7 +25,7 @@ from .builder import Builder, Lit
 from .errors import LoweringError
 from .graph import Var
 
-__all__ = ["conv", "FEW_CHANNELS"]
+__all__ = ["conv", "window_reduce", "FEW_CHANNELS"]
 
 #: below this many input channels (an image's 3) the patches are gathered channels-first, the
 #: output's width on the sticks: channels-last, a stick would hold 3 useful elements of 64 (a
@@ -161,3 +162,36 @@ def conv(
         out = b.reshape(out, (N, Co, OW))
     assert math.prod(out.shape) == N * Co * OH * OW
     return out
+
+
+def window_reduce(
+    b: Builder,
+    x: Var,
+    fn: str,
+    fill: float | int,
+    *,
+    window: Sequence[int],
+    strides: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[tuple[int, int, int]],
+    out_shape: tuple[int, ...],
+) -> Var:
+    """A windowed reduction (``lax.reduce_window``, pooling): ``x`` padded with ``fill``
+    (``padding``: ``(low, high, 0)`` per dim), and for each offset in the window the strided
+    slice it reads, merged by the elementwise ``fn`` (one fused map on the SFUs)."""
+    dt = x.dtype
+    xp = b.pad(x, Lit(fill, dt), list(padding)) if any(lo or hi for lo, hi, _ in padding) else x
+    acc: Var | None = None
+    for offs in itertools.product(*(range(w) for w in window)):
+        starts = tuple(o * d for o, d in zip(offs, dilation, strict=True))
+        limits = tuple(
+            s + (n - 1) * st + 1 for s, n, st in zip(starts, out_shape, strides, strict=True)
+        )
+        if math.prod(out_shape) == 0:
+            part = b.full(out_shape, fill, dt)
+        else:
+            part = b.emit(
+                "slice", [xp], out_shape, dt, starts=starts, limits=limits, strides=tuple(strides)
+            )
+        acc = part if acc is None else b.elementwise(fn, [acc, part], out_shape, dt)
+    return acc if acc is not None else b.full(out_shape, fill, dt)

@@ -4,7 +4,7 @@ The graph comes from AOTAutograd with the core ATen decompositions (``torch_brid
 so every ``call_function`` node targets an ``OpOverload`` such as ``aten.addmm.default`` and
 carries its output's fake tensor in ``node.meta["val"]``. The rules live in
 ``lowering.fx_elementwise``, ``lowering.fx_tensor``, ``lowering.fx_select``,
-``lowering.fx_scatter`` and ``lowering.fx_conv``, registered with
+``lowering.fx_scatter``, ``lowering.fx_conv`` and ``lowering.fx_pool``, registered with
 ``@rule(aten.add.Tensor, ...)`` into :data:`RULES` (``lowering.fx_common``, re-exported here:
 tests plant a bug by patching it). An op with no rule raises :class:`UnsupportedPrimitiveError`
 naming it, with the node and the user's source line (from ``node.meta["stack_trace"]``); an
@@ -21,7 +21,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import fx_conv, fx_elementwise, fx_scatter, fx_select, fx_tensor, torch_import
+from . import (
+    fx_conv,
+    fx_elementwise,
+    fx_pool,
+    fx_scatter,
+    fx_select,
+    fx_tensor,
+    torch_import,
+)
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
 from .fx_common import RULES, WHEN, card_dtype, is_card_dtype, meta_val, rule
@@ -32,7 +40,7 @@ from .torch_import import torch
 __all__ = ["from_fx", "RULES", "rule", "supported", "card_dtype", "node_source"]
 
 #: the rule modules, imported for the rules they register into :data:`RULES`
-RULE_MODULES = (fx_elementwise, fx_tensor, fx_select, fx_scatter, fx_conv)
+RULE_MODULES = (fx_elementwise, fx_tensor, fx_select, fx_scatter, fx_conv, fx_pool)
 
 
 def supported(node: torch.fx.Node) -> bool:

@@ -7,14 +7,12 @@ bodies are imported with :data:`lowering.jaxpr_common.import_body`."""
 
 from __future__ import annotations
 
-import itertools
-import math
 from typing import Any
 
 from device_model.layout import np_dtype
 from device_model.reductions import identity_value
 
-from . import indexing, jaxpr_common
+from . import conv_ops, indexing, jaxpr_common
 from .builder import Builder, Lit
 from .errors import LoweringError
 from .graph import Graph, Var
@@ -190,19 +188,15 @@ def _reduce_window(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     fn, identity = _WINDOWED[eqn.primitive.name]
     fill = identity_value(identity, np_dtype(dt)).item()
     cfg = [(int(lo), int(hi), 0) for lo, hi in p["padding"]]
-    xp = b.pad(x, Lit(fill, dt), cfg) if any(lo or hi for lo, hi, _ in cfg) else x
-    win = [int(w) for w in p["window_dimensions"]]
-    strides = tuple(int(s) for s in p["window_strides"])
-    dil = [int(d) for d in p["window_dilation"]]
-    acc: Var | None = None
-    for offs in itertools.product(*(range(w) for w in win)):
-        starts = tuple(o * d for o, d in zip(offs, dil, strict=True))
-        limits = tuple(
-            s + (n - 1) * st + 1 for s, n, st in zip(starts, shape, strides, strict=True)
-        )
-        if math.prod(shape) == 0:
-            part = b.full(shape, fill, dt)
-        else:
-            part = b.emit("slice", [xp], shape, dt, starts=starts, limits=limits, strides=strides)
-        acc = part if acc is None else b.elementwise(fn, [acc, part], shape, dt)
-    return [acc if acc is not None else b.full(shape, fill, dt)]
+    out = conv_ops.window_reduce(
+        b,
+        x,
+        fn,
+        fill,
+        window=[int(w) for w in p["window_dimensions"]],
+        strides=[int(s) for s in p["window_strides"]],
+        dilation=[int(d) for d in p["window_dilation"]],
+        padding=cfg,
+        out_shape=shape,
+    )
+    return [out]

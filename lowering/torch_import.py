@@ -36,6 +36,7 @@ FX_MODULES = (
     "lowering.fx_select",
     "lowering.fx_scatter",
     "lowering.fx_conv",
+    "lowering.fx_pool",
     "lowering.from_fx",
 )
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from jax import lax
 
 import spyre_jax
@@ -243,3 +244,61 @@ def test_every_resnet50_convolution_fits_the_scratchpad(cin, cout, k, s, size):
     cost = spyre_jax.jit(f).lower(x, w).compile().cost_analysis()
     assert 0 < cost["scratchpad_peak_bytes"] <= cost["scratchpad_usable_bytes"]
     assert cost["flops"] >= 2 * cout * cin * k * k * (size // s) ** 2
+
+
+# ---------------------------------------------------------------------------------------------
+# torch: pooling and batch norm
+
+_RM, _RV = torch.randn(4), torch.rand(4) + 0.5
+_W, _B = torch.randn(4), torch.randn(4)
+
+POOL_CASES = {
+    "max_pool2d": lambda x: F.max_pool2d(x, 3, 2, 1),
+    "max_pool2d_ceil": lambda x: F.max_pool2d(x, 3, 2, ceil_mode=True),
+    "max_pool2d_indices": lambda x: F.max_pool2d(x, 2, return_indices=True),
+    "max_pool2d_dilation_indices": lambda x: F.max_pool2d(
+        x, 2, 1, 1, dilation=2, return_indices=True
+    ),
+    "max_pool1d": lambda x: F.max_pool1d(x[:, :, 0], 3),
+    "avg_pool2d": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "avg_pool2d_exclude_pad_ceil": lambda x: F.avg_pool2d(
+        x, 3, 2, 1, ceil_mode=True, count_include_pad=False
+    ),
+    "avg_pool2d_ceil": lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+    "avg_pool2d_divisor": lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+    "avg_pool1d": lambda x: F.avg_pool1d(x[:, :, 0], 2),
+    "adaptive_avg_pool2d": lambda x: F.adaptive_avg_pool2d(x, (3, 4)),
+    "adaptive_avg_pool2d_1": lambda x: F.adaptive_avg_pool2d(x, 1),
+    "batch_norm_eval": lambda x: F.batch_norm(x, _RM, _RV, _W, _B, training=False, eps=1e-3),
+    "batch_norm_train": lambda x: F.batch_norm(x, None, None, _W, _B, training=True),
+    "batch_norm_train_running": lambda x: (
+        lambda m, v: (F.batch_norm(x, m, v, _W, _B, training=True, momentum=0.2), m, v)
+    )(_RM.clone(), _RV.clone()),
+}
+
+
+def _pool_input(nan: bool) -> torch.Tensor:
+    x = torch.randn(2, 4, 9, 10, generator=torch.Generator().manual_seed(5))
+    if nan:
+        x[0, 0, 0, 0] = float("nan")  # max pooling propagates it, as torch does
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(POOL_CASES))
+def test_torch_pooling_and_batch_norm(name):
+    f = POOL_CASES[name]
+    x = _pool_input("max" in name)
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    with torch.no_grad():
+        want = f(x)
+        got = torch.compile(f, backend="spyre")(x)
+    assert tb.fallback_stats() == {}
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, w in zip(got, want, strict=True):
+        if not w.dtype.is_floating_point:  # max pooling's indices: exact
+            assert torch.equal(g, w)
+            continue
+        assert torch.equal(g.isnan(), w.isnan())
+        assert_close(g.nan_to_num().numpy(), w.nan_to_num().numpy(), k=90, chain=4)
