@@ -302,3 +302,47 @@ def test_torch_pooling_and_batch_norm(name):
             continue
         assert torch.equal(g.isnan(), w.isnan())
         assert_close(g.nan_to_num().numpy(), w.nan_to_num().numpy(), k=90, chain=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# real programs: a ViT and a ResNet (transformers configs, random weights), both torch paths
+
+
+def _vit_and_resnet():
+    from transformers import ResNetConfig, ResNetModel, ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    vit = ViTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+    )
+    res = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1])
+    return {
+        "vit": (ViTModel, vit, torch.randn(1, 3, 32, 32), "last_hidden_state"),
+        "resnet": (ResNetModel, res, torch.randn(1, 3, 64, 64), "pooler_output"),
+    }
+
+
+@pytest.mark.parametrize("name", ["vit", "resnet"])
+def test_vit_and_resnet_on_both_torch_paths_with_no_cpu_op(name):
+    from torch_bridge import device as dev
+
+    cls, cfg, x, field = _vit_and_resnet()[name]
+    model = cls(cfg).eval()
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()
+    with torch.no_grad():
+        want = getattr(model(x), field)
+        got = getattr(torch.compile(model, backend="spyre")(x), field)
+        assert tb.fallback_stats() == {}
+        assert_close(got.numpy(), want.numpy(), k=128, chain=12)
+        on_card = cls(cfg).eval()
+        on_card.load_state_dict(model.state_dict())
+        dev.reset_stats()
+        got = getattr(on_card.to("spyre")(x.to("spyre")), field).cpu()
+        assert dev.eager_stats()["cpu_fallbacks"] == 0
+        assert_close(got.numpy(), want.numpy(), k=128, chain=12)

@@ -16,7 +16,12 @@ this module (the kernels for storage plumbing and data movement, the registratio
 copies and pure data movement (``copy_``, ``fill_``, ``zero_``, RNG fills, ``.item()``) work on
 the payload directly and are steps on the current stream's timeline (copy in, copy out, or a
 device-side copy). Compute ops go through :mod:`torch_bridge.eager`; ops with no lowering rule
-run on the CPU with a ``SpyreFallbackWarning`` (counted, :func:`fallback_stats`).
+run on the CPU with a ``SpyreFallbackWarning`` (counted, :func:`fallback_stats`). No op ends in
+PyTorch's dispatcher ``NotImplementedError``: the ``*_overrideable`` hooks whose composite
+kernels raise for every backend (convolution, fused attention) have kernels of their own
+(:mod:`torch_bridge.overrideable`), the CUDA-only RNN cells PyTorch picks off the CPU have CPU
+stand-ins (:mod:`torch_bridge.host_kernels`), ``_to_copy`` never pins a host result (a Python
+backend has no pinned-memory allocator) and ``record_stream`` has nothing to do.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from device_model import runtime as card_runtime
 
-from . import attention, eager
+from . import attention, eager, overrideable
 from .host_ops import write_out
 from .storage import (
     CPU_KEYS,
@@ -183,6 +188,48 @@ def _k_zero(self: torch.Tensor) -> torch.Tensor:
     alias(self).zero_()
     device_step("zero", self)
     return self
+
+
+_TO_COPY = aten._to_copy.default
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _k_to_copy(
+    self: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: Any = None,
+    device: Any = None,
+    pin_memory: bool | None = None,
+    non_blocking: bool = False,
+    memory_format: Any = None,
+) -> torch.Tensor:
+    """``_to_copy`` (``.to``, ``.cpu()``, ``.half()``) of a spyre tensor: PyTorch's composite
+    kernel, except that a copy to the host never lands in pinned memory. For a PrivateUse1
+    source and ``non_blocking=True`` that kernel allocates its CPU result pinned, which needs a
+    pinned-memory allocator from the backend's C++ hooks (a Python backend has none:
+    ``NotImplementedError``). Copies out of the card wait for it anyway (``_copy_from``), so
+    pinned memory would buy nothing here."""
+    if device is not None and torch.device(device).type == "cpu":
+        non_blocking, pin_memory = False, None
+    return _TO_COPY._op_dk(
+        _COMPOSITE,
+        self,
+        dtype=dtype,
+        layout=layout,
+        device=device,
+        pin_memory=pin_memory,
+        non_blocking=non_blocking,
+        memory_format=memory_format,
+    )
+
+
+def _k_record_stream(self: torch.Tensor, stream: Any) -> None:
+    """``Tensor.record_stream``: nothing to do. It keeps a caching allocator from handing the
+    tensor's memory out again while another stream may still use it; here a launch or copy in
+    flight holds its own reference to the bytes it reads, and a freed region is forgotten by
+    the stream queues (``device_model.runtime``), so reusing its address is safe at once."""
+    del self, stream
 
 
 #: in-place RNG fills: drawn from torch's CPU generator (so ``torch.manual_seed`` gives the same
@@ -398,6 +445,8 @@ def register() -> None:
             "fill_.Tensor": _k_fill_tensor,
             "zero_": _k_zero,
             "arange.start_out": _k_arange_out,
+            "_to_copy": _k_to_copy,
+            "record_stream": _k_record_stream,
         }.items():
             lib.impl(name, kernel, k)
         for name in _VIEW_OPS:
@@ -407,6 +456,7 @@ def register() -> None:
             lib.impl(name, _rng_kernel(getattr(getattr(aten, base), ov or "default")), k)
         eager.register_kernels(lib)
         attention.register(lib)
+        overrideable.register(lib)
         fb = torch.library.Library("_", "IMPL")
         _libs.append(fb)
         fb.fallback(eager.fallback, k)

@@ -516,6 +516,8 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
         if any(kind != "T" or nt for _, kind, _, _, nt in inputs):
             raise NotImplementedError(f"no lowering rule for {op}")
         gm = _decomposed(op, spec, orig, inputs)
+        if not _same_results(gm, node.meta["val"]):
+            raise NotImplementedError(f"no lowering rule for {op} (its decomposition differs)")
         bad = [n for n in gm.graph.nodes if not supported(n)]
         if bad:
             raise NotImplementedError(
@@ -526,6 +528,19 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     with _lock:
         _counts["compiles"] += 1
     return compiled
+
+
+def _same_results(gm: torch.fx.GraphModule, out: Any) -> bool:
+    """Whether a decomposition's results have the op's shapes and dtypes. Not all of torch's
+    do: ``_scaled_dot_product_flash_attention_for_cpu``'s second result is the attention
+    weights, not the log-sum-exp the op returns."""
+    want = list(out) if isinstance(out, tuple | list) else [out]
+    got = tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else n for n in got]
+    return len(vals) == len(want) and all(
+        isinstance(v, torch.Tensor) and v.shape == w.shape and v.dtype == w.dtype
+        for v, w in zip(vals, want, strict=True)
+    )
 
 
 #: decompositions of our own ops (``spyre_jax::attention``) beside core ATen's (:func:`_decomposed`)

@@ -12,13 +12,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import storage as st
+from .host_kernels import host_kernel
 
 __all__ = ["run_on_host"]
 
 
 def run_on_host(op: Any, args: tuple, kwargs: dict) -> Any:
     """``op(*args, **kwargs)`` on the CPU, every spyre tensor standing in as a CPU tensor over
-    its bytes (the host waits for the card where it must)."""
+    its bytes (the host waits for the card where it must). An op with no CPU kernel of its own
+    runs as its stand-in (:func:`torch_bridge.host_kernels.host_kernel`)."""
     schema = op._schema
     stand_in: dict[int, torch.Tensor] = {}  # id(cpu tensor) -> the spyre tensor it stands for
     outs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -54,7 +56,7 @@ def run_on_host(op: Any, args: tuple, kwargs: dict) -> Any:
     for k, v in list(ckwargs.items()):  # device=spyre of factories not in the schema walk
         if isinstance(v, torch.device) and v.type == st.NAME:
             ckwargs[k] = torch.device("cpu")
-    res = op(*cargs, **ckwargs)
+    res = host_kernel(op)(*cargs, **ckwargs)  # a stand-in where the CPU has no kernel
     for v, c in outs:
         write_out(v, c)
     for v in stand_in.values():
