@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import numpy as np
 import pytest
+import torch
 import torch._dynamo.exc
 
 from lowering.errors import UnsupportedPrimitiveError
@@ -18,7 +20,9 @@ from spyre_jax.tools.jax_ops import JAX_OPS, Arg, JaxOp, Sample, make_samples
 
 @pytest.fixture(scope="module")
 def torch_result() -> dict:
-    return coverage_torch.coverage_torch(ops=["add", "mul", "tanh", "sort"], limit_samples=2)
+    return coverage_torch.coverage_torch(
+        ops=["add", "mul", "tanh", "sort", "special.i1"], limit_samples=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +52,35 @@ def test_torch_structure_and_statuses(torch_result):
     res = torch_result
     assert res["frontend"] == "torch"
     _check_structure(res, ["backend", "device"])
-    assert {"add", "mul", "tanh", "sort"} <= set(res["ops"])
-    for name in ("add", "mul", "tanh"):
-        assert res["ops"][name]["backend"]["passed"] > 0, res["ops"][name]
-    sort = res["ops"]["sort"]["backend"]
-    assert sort["unsupported"] > 0 and sort["error"] == 0 and sort["passed"] == 0, sort
-    assert any("sort" in k for k in res["unsupported"]["backend"])
+    assert {"add", "mul", "tanh", "sort", "special.i1"} <= set(res["ops"])
+    for name in ("add", "mul", "tanh", "sort"):
+        rec = res["ops"][name]["backend"]
+        assert rec["passed"] > 0 and rec["wrong"] == rec["error"] == 0, res["ops"][name]
+    i1 = res["ops"]["special.i1"]["backend"]
+    assert i1["unsupported"] > 0 and i1["error"] == 0 and i1["passed"] == 0, i1
+    assert any("special_i1" in k for k in res["unsupported"]["backend"])
     dev = res["paths"]["device"]
     if dev["available"]:  # the spyre device: the same ops run eagerly on spyre tensors
         assert res["ops"]["tanh"]["device"]["passed"] > 0, res["ops"]["tanh"]
-        assert res["ops"]["sort"]["device"]["unsupported"] > 0  # a CPU fallback
+        assert res["ops"]["sort"]["device"]["passed"] > 0
+        assert res["ops"]["special.i1"]["device"]["unsupported"] > 0  # a CPU fallback
     else:
         assert res["totals"]["device"]["samples_tried"] == 0
+
+
+def test_ties_of_an_unstable_sort_may_come_in_any_order():
+    """Regression: torch's CPU sort with ``stable=False`` orders equal fp16 values its own way
+    (OpInfo's 8000-element sample); the card's index order is as valid, a wrong value is not."""
+    x = torch.tensor([3.0, 1.0, 3.0, 1.0, 2.0])
+    op = next(o for o in coverage_torch._import_op_db() if o.name == "sort")
+    sample = types.SimpleNamespace(input=x, args=(), kwargs={})
+    want = (torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0]), torch.tensor([3, 1, 4, 2, 0]))
+    ours = (want[0], torch.tensor([1, 3, 4, 0, 2]))
+    assert coverage_torch._ties_only(op, sample, ours, want)
+    wrong = (want[0], torch.tensor([1, 3, 4, 0, 1]))
+    assert not coverage_torch._ties_only(op, sample, wrong, want)
+    stable = types.SimpleNamespace(input=x, args=(), kwargs={"stable": True})
+    assert not coverage_torch._ties_only(op, stable, ours, want)
 
 
 def test_torch_skips_nondeterministic_and_unknown_path():

@@ -118,6 +118,7 @@ _NOT_REGISTERED = frozenset(
         "aten::lift_fresh_copy",
         "aten::_unsafe_view",
         "aten::full_like",
+        "aten::empty_like",
         "aten::zeros_like",
         "aten::ones_like",
     }
