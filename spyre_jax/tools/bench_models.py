@@ -7,7 +7,10 @@ backend, each in a fresh subprocess so that its peak host memory is its own. ``g
 GPT-2 small as an equinox module (:mod:`spyre_jax.tools.eqx_gpt2`, random weights), run in fp32
 through ``jax.jit`` on the CPU (the reference; its "eager" time is a second, compiled call) and in
 fp16 through ``spyre_jax.jit`` with its weights put in device memory first (as the torch models'
-weights are constants copied in when their kernel loads). Reported per model:
+weights are constants copied in when their kernel loads). ``vit-base`` (ViT-base/16) and
+``resnet-50`` are vision models from ``ViTConfig`` and ``ResNetConfig`` with ImageNet heads (1000
+classes), fed one random 224x224 image (fp32 on the CPU, fp16 on the card; ``seq`` does not apply):
+their "prefill" is the whole forward pass and their "logits" the class scores. Reported per model:
 parameters, cold compile seconds (``cold_compile_s``: the first call, all included; ``compile_s``:
 that minus a warm call's time, the compile alone), simulated prefill time (the sum of the card
 kernels' simulated times), the simulation's wall time of a second call beside eager CPU's (fp32)
@@ -23,8 +26,8 @@ the cosine similarity and max error of the logits against the fp32 reference.
 
 A model that fails (a ``TilingError`` today for the largest ones) is reported with its error
 instead of figures; the others still run. ``--layers N`` shortens every model to N layers (full
-widths and vocabularies), ``--tiny`` shrinks widths too (for tests).
-"""
+widths and vocabularies; a ResNet to at most N blocks a stage), ``--tiny`` shrinks widths too
+(for tests; the vision models' images to 32x32, the ResNet to its first two stages)."""
 
 from __future__ import annotations
 
@@ -130,13 +133,69 @@ _granite_8b = _causal_lm(
 )
 
 
+def _vit(layers: int | None, tiny: bool) -> Any:
+    """ViT-base/16 at 224x224 with an ImageNet head (1000 classes), random weights."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    kw: dict[str, Any] = {"num_hidden_layers": layers or 12, "num_labels": 1000}
+    if tiny:
+        kw.update(
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            image_size=IMAGE_SIZES["vit-base"][1],
+            patch_size=8,
+            num_labels=10,
+        )
+    return ViTForImageClassification(ViTConfig(**kw))
+
+
+def _resnet(layers: int | None, tiny: bool) -> Any:
+    """ResNet-50 (bottleneck blocks, depths 3-4-6-3) with an ImageNet head, random weights;
+    ``layers`` caps every stage's depth at that many blocks; ``tiny`` keeps the first two stages,
+    narrowed."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    depths = [min(d, layers or d) for d in (3, 4, 6, 3)]
+    kw: dict[str, Any] = dict(
+        layer_type="bottleneck",
+        depths=depths,
+        hidden_sizes=[256, 512, 1024, 2048],
+        embedding_size=64,
+        num_labels=1000,
+    )
+    if tiny:
+        kw.update(depths=depths[:2], hidden_sizes=[32, 64], embedding_size=16, num_labels=10)
+    return ResNetForImageClassification(ResNetConfig(**kw))
+
+
+#: the vision models' square input images, (full, tiny) pixels a side; the others take tokens
+IMAGE_SIZES: dict[str, tuple[int, int]] = {"vit-base": (224, 32), "resnet-50": (224, 32)}
+
 #: name -> builder(layers, tiny); Granite-3.3-8B is truncated to 2 layers by default
 MODELS: dict[str, Callable[[int | None, bool], Any]] = {
     "gpt2-small": _gpt2,
     "bert-base": _bert,
     "llama-3.2-1b": llama_1b,
     "granite-3.3-8b-2l": _granite_8b,
+    "vit-base": _vit,
+    "resnet-50": _resnet,
 }
+
+
+def _example(name: str, model: Any, seq: int, tiny: bool) -> torch.Tensor:
+    """The model's input at batch 1: ``seq`` random token ids, or a random fp32 image of
+    :data:`IMAGE_SIZES` (its tiny size with ``tiny``) for a vision model."""
+    gen = torch.Generator().manual_seed(0)
+    if name in IMAGE_SIZES:
+        side = IMAGE_SIZES[name][1 if tiny else 0]
+        return torch.randn(1, model.config.num_channels, side, side, generator=gen)
+    return torch.randint(0, model.config.vocab_size, (1, seq), generator=gen)
+
+
+def _depth(config: Any) -> int:
+    """Transformer layers, or a ResNet's residual blocks."""
+    return int(getattr(config, "num_hidden_layers", None) or sum(config.depths))
 
 
 def _gpt2_eqx(layers: int | None, tiny: bool) -> tuple[eqx_gpt2.GPT2, eqx_gpt2.GPT2Config]:
@@ -237,10 +296,9 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = MODELS[name](layers, tiny).eval()
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
+    ids = _example(name, model, seq, tiny)
     params = sum(p.numel() for p in model.parameters())
-    res: dict[str, Any] = {"params": params, "layers": model.config.num_hidden_layers}
+    res: dict[str, Any] = {"params": params, "layers": _depth(model.config)}
     with torch.no_grad():
         want = _logits(model(ids))
         t = time.perf_counter()
@@ -248,6 +306,7 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
             model(ids)
         res["eager_cpu_s"] = (time.perf_counter() - t) / reps
         model = model.half()
+        ids = ids.half() if ids.is_floating_point() else ids  # an image goes in as fp16
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         res["runtime_warmup_bytes"] = _warm_up(lambda: _warm_torch(name, seq))
         tb.reset_fallback_stats()
@@ -281,7 +340,8 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
 
 def _warm_torch(name: str, seq: int) -> None:
     model = MODELS[name](1, True).eval().half()
-    ids = torch.randint(0, model.config.vocab_size, (1, seq))
+    ids = _example(name, model, seq, True)
+    ids = ids.half() if ids.is_floating_point() else ids
     with torch.no_grad():
         torch.compile(model, backend="spyre", dynamic=False)(ids)
 
