@@ -25,6 +25,7 @@ from . import (
     fx_conv,
     fx_elementwise,
     fx_pool,
+    fx_random,
     fx_scatter,
     fx_select,
     fx_tensor,
@@ -40,7 +41,7 @@ from .torch_import import torch
 __all__ = ["from_fx", "RULES", "rule", "supported", "card_dtype", "node_source"]
 
 #: the rule modules, imported for the rules they register into :data:`RULES`
-RULE_MODULES = (fx_elementwise, fx_tensor, fx_select, fx_scatter, fx_conv, fx_pool)
+RULE_MODULES = (fx_elementwise, fx_tensor, fx_select, fx_scatter, fx_conv, fx_pool, fx_random)
 
 
 def supported(node: torch.fx.Node) -> bool:

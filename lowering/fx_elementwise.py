@@ -160,6 +160,69 @@ def _remainder(b: Builder, node: torch.fx.Node, x: Any, y: Any) -> Var:
     return convert(b, b.elementwise("select_n", [fix, r, shifted], shape, cdt), dt)
 
 
+@rule(aten.floor_divide.default, aten.floor_divide.Scalar)
+def _floor_divide(b: Builder, node: torch.fx.Node, x: Any, y: Any) -> Var:
+    return _rounded_div(b, node, x, y, "floor")
+
+
+@rule(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(b: Builder, node: torch.fx.Node, x: Any, y: Any, *, rounding_mode: Any) -> Var:
+    if rounding_mode is None:
+        shape, out_dt = result(node)
+        return ew(b, node, "div", x, y, compute=out_dt)
+    if rounding_mode not in ("floor", "trunc"):
+        raise LoweringError(f"spyre: div with rounding_mode={rounding_mode!r}")
+    return _rounded_div(b, node, x, y, rounding_mode)
+
+
+def _rounded_div(b: Builder, node: torch.fx.Node, x: Any, y: Any, mode: str) -> Var:
+    """``x / y`` rounded toward zero (``trunc``) or toward minus infinity (``floor``), as torch
+    computes it. Integers: the card's truncating division, less one where the remainder is
+    non-zero and its sign differs from the divisor's. Floats: torch's own formula (not
+    ``floor(x / y)``, which differs where ``x / y`` rounds up to an integer): ``(x - fmod(x, y))
+    / y`` less that fix, rounded to the nearest integer, ``x / y`` where ``y`` is 0."""
+    shape, dt = result(node)
+    cdt = promote(x, y)
+    xv, yv = operand(b, x, shape, cdt), operand(b, y, shape, cdt)
+    zero = Lit(0, cdt)
+
+    def e(fn: str, *a: Any, out: str = cdt) -> Var:
+        return b.elementwise(fn, list(a), shape, out)
+
+    if cdt in ("int32", "bool"):
+        q = e("div", xv, yv)
+        if mode == "trunc":
+            return convert(b, q, dt)
+        r = e("rem", xv, yv)
+        fix = e(
+            "and",
+            e("ne", r, zero, out="bool"),
+            e("ne", e("lt", r, zero, out="bool"), e("lt", yv, zero, out="bool"), out="bool"),
+            out="bool",
+        )
+        return convert(b, e("sub", q, convert(b, fix, cdt)), dt)
+    quot = e("div", xv, yv)
+    if mode == "trunc":
+        neg = e("lt", quot, zero, out="bool")
+        return convert(b, e("select_n", neg, e("floor", quot), e("ceil", quot)), dt)
+    mod = e("rem", xv, yv)
+    div = e("div", e("sub", xv, mod), yv)
+    fix = e(
+        "and",
+        e("ne", mod, zero, out="bool"),
+        e("ne", e("lt", yv, zero, out="bool"), e("lt", mod, zero, out="bool"), out="bool"),
+        out="bool",
+    )
+    div = e("sub", div, convert(b, fix, cdt))
+    fl = e("floor", div)
+    up = e("gt", e("sub", div, fl), Lit(0.5, cdt), out="bool")
+    fl = e("add", fl, convert(b, up, cdt))
+    signed_zero = e("mul", quot, zero)
+    res = e("select_n", e("ne", div, zero, out="bool"), signed_zero, fl)
+    res = e("select_n", e("eq", yv, zero, out="bool"), res, quot)
+    return convert(b, res, dt)
+
+
 @rule(aten.rsub.Scalar, aten.rsub.Tensor)
 def _rsub(b: Builder, node: torch.fx.Node, x: Any, y: Any, alpha: Any = 1) -> Var:
     shape, _ = result(node)

@@ -33,51 +33,15 @@ from .errors import LoweringError
 from .graph import Var
 from .jaxpr_common import INLINED, RULES, key_impl, rule
 from .jaxpr_common import aval as _aval
+from .rng_ops import threefry2x32
 
-__all__ = ["key_rule", "threefry2x32"]
+__all__ = ["key_rule"]
 
 _U32 = "uint32"
-#: Threefry-2x32's rotation constants and key-schedule parity (Salmon et al., "Parallel random
-#: numbers: as easy as 1, 2, 3", SC 2011; the constants of the Random123 library JAX follows)
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA
 
 
 # ---------------------------------------------------------------------------------------------
 # the cipher and its counters
-
-
-def threefry2x32(b: Builder, k1: Any, k2: Any, x1: Any, x2: Any) -> tuple[Var, Var]:
-    """Threefry-2x32 (20 rounds) of the counter pairs ``(x1, x2)`` under the key ``(k1, k2)``,
-    every operand broadcast to the shape of the largest, in uint32 arithmetic."""
-    shape = tuple(np.broadcast_shapes(*(v.shape for v in (k1, k2, x1, x2) if isinstance(v, Var))))
-    k1, k2, x1, x2 = (_full(b, v, shape) for v in (k1, k2, x1, x2))
-
-    def ew(fn: str, *xs: Any) -> Var:
-        return b.elementwise(fn, list(xs), shape, _U32)
-
-    def lit(v: int) -> Lit:
-        return Lit(v & 0xFFFFFFFF, _U32)
-
-    ks = [k1, k2, ew("xor", ew("xor", k1, k2), lit(_PARITY))]
-    x = [ew("add", x1, ks[0]), ew("add", x2, ks[1])]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x[0] = ew("add", x[0], x[1])
-            rot = ew("or", ew("shl", x[1], lit(r)), ew("shr_logical", x[1], lit(32 - r)))
-            x[1] = ew("xor", x[0], rot)
-        x[0] = ew("add", x[0], ks[(i + 1) % 3])
-        x[1] = ew("add", ew("add", x[1], ks[(i + 2) % 3]), lit(i + 1))
-    return x[0], x[1]
-
-
-def _full(b: Builder, v: Any, shape: tuple[int, ...]) -> Var:
-    if isinstance(v, Lit):
-        return b.full(shape, int(v.value) & 0xFFFFFFFF, _U32)
-    if v.shape == shape:
-        return v
-    dims = tuple(range(len(shape) - len(v.shape), len(shape)))  # NumPy's broadcasting
-    return b.emit("broadcast", [v], shape, v.dtype, shape=shape, dims=dims)
 
 
 @rule("threefry2x32")

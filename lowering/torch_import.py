@@ -37,6 +37,7 @@ FX_MODULES = (
     "lowering.fx_scatter",
     "lowering.fx_conv",
     "lowering.fx_pool",
+    "lowering.fx_random",
     "lowering.from_fx",
 )
 

@@ -386,6 +386,42 @@ def test_opinfo_regressions(name, fn):
     _check(fn, _rand((5, 65), torch.float32, 20), _rand((5, 65), torch.float32, 21) + 0.1)
 
 
+def _rounded_divisions(a, b):  # noqa: ANN001, ANN202
+    return (
+        torch.floor_divide(a, b),
+        torch.div(a, b, rounding_mode="floor"),
+        torch.div(a, b, rounding_mode="trunc"),
+        a // 3,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.int64])
+@pytest.mark.parametrize("path", ["backend", "device"])
+def test_floor_divide_and_rounding_modes(dtype, path):
+    """floor_divide (beam search's ``next_tokens // vocab``) and div's rounding modes, as torch
+    rounds: for floats ``(a - fmod(a, b)) / b`` corrected (not ``floor(a / b)``), a signed zero,
+    division by zero as ``a / b``; for integers toward minus infinity."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.randn(4, 40, generator=g) * 20).to(dtype)
+    b = (torch.randn(4, 40, generator=g) * 4).to(dtype)
+    if dtype.is_floating_point:
+        a[0, :5] = torch.tensor([7.0, -7.0, 0.0, -0.0, 1.0])
+        b[0, :5] = torch.tensor([0.0, 2.0, -2.0, 3.0, 0.1])
+    else:
+        b[b == 0] = 3
+    want = _rounded_divisions(a, b)
+    if path == "backend":
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(_rounded_divisions, backend="spyre", options={"strict": True})(a, b)
+    else:
+        got = [t.cpu() for t in _rounded_divisions(a.to("spyre"), b.to("spyre"))]
+    for w, x in zip(want, got, strict=True):
+        assert x.dtype == w.dtype
+        assert torch.equal(x, w) or torch.allclose(x.double(), w.double(), equal_nan=True)
+        assert torch.equal(torch.signbit(x[w == 0]), torch.signbit(w[w == 0]))
+
+
 def test_filled_tensors_are_one_broadcast_scalar_not_a_constant_tensor():
     # torch.full / zeros_like / ones_like (attention masks) used to become constant tensors of
     # their full size, copied into device memory and read back by every kernel

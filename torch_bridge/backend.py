@@ -34,6 +34,7 @@ from device_model.runtime import runtime
 from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import from_fx, node_source, supported
 
+from . import rng
 from .dynamic import DynamicGraph, is_dynamic
 from .errors import InferenceOnlyError, SpyreFallbackWarning
 from .kernels import load, run_graph
@@ -143,6 +144,7 @@ def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: b
 
 
 def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
+    states = rng.rewrite_random(gm)  # random ops draw from the card's generator, per call
     if is_dynamic(gm):  # symbolic sizes: a static kernel per concrete size, at call time
         run = DynamicGraph(gm, functools.partial(_compile_static, strict=strict))
         with _lock:
@@ -151,6 +153,8 @@ def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable
         run = _compile_static(gm, strict=strict)
 
     def forward(*args: Any) -> Any:
+        if states:
+            args = (*args, *rng.draw_states(states))
         return run(*args)
 
     return make_boxed_func(forward)

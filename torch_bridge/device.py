@@ -13,9 +13,10 @@ this module (the kernels for storage plumbing and data movement, the registratio
 :mod:`torch_bridge.backend` (``torch.compile``) stands on storage beside eager.
 
 **Kernels.** Storage plumbing (empty, set_, resize_, views) is registered per op; host<->device
-copies and pure data movement (``copy_``, ``fill_``, ``zero_``, RNG fills, ``.item()``) work on
+copies and pure data movement (``copy_``, ``fill_``, ``zero_``, ``.item()``) work on
 the payload directly and are steps on the current stream's timeline (copy in, copy out, or a
-device-side copy). Compute ops go through :mod:`torch_bridge.eager`; ops with no lowering rule
+device-side copy). Random ops draw on the card from its own generator (:mod:`torch_bridge.rng`).
+Compute ops go through :mod:`torch_bridge.eager`; ops with no lowering rule
 run on the CPU with a ``SpyreFallbackWarning`` (counted, :func:`fallback_stats`). No op ends in
 PyTorch's dispatcher ``NotImplementedError``: the ``*_overrideable`` hooks whose composite
 kernels raise for every backend (convolution, fused attention) have kernels of their own
@@ -39,13 +40,12 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from device_model import runtime as card_runtime
 
-from . import attention, eager, overrideable
+from . import attention, eager, overrideable, rng
 from .host_ops import write_out
 from .storage import (
     CPU_KEYS,
     NAME,
     alias,
-    check_same_device,
     contig_strides,
     copy_on_card,
     device_step,
@@ -232,42 +232,12 @@ def _k_record_stream(self: torch.Tensor, stream: Any) -> None:
     del self, stream
 
 
-#: in-place RNG fills: drawn from torch's CPU generator (so ``torch.manual_seed`` gives the same
-#: numbers as on the CPU) and copied in
-_RNG_OPS = (
-    "normal_",
-    "uniform_",
-    "random_",
-    "random_.from",
-    "random_.to",
-    "bernoulli_.float",
-    "bernoulli_.Tensor",
-    "exponential_",
-    "log_normal_",
-    "cauchy_",
-    "geometric_",
-)
-
-
 def _k_arange_out(start: Any, end: Any, step: Any = 1, *, out: torch.Tensor) -> torch.Tensor:
     # a factory (``arange(n, device="spyre")`` comes here with an empty ``out``): made on the
     # host and copied in, as every factory; directly, not through the fallback's generic walk
     res = write_out(out, torch.arange(start, end, step, dtype=out.dtype))
     eager.count("host_factories")
     return res
-
-
-def _rng_kernel(op: Any) -> Any:
-    def k(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        check_same_device([self, *args])
-        args = tuple(a.cpu() if is_spyre(a) else a for a in args)
-        tmp = torch.empty(self.shape, dtype=self.dtype)
-        op(tmp, *args, **kwargs)
-        alias(self).copy_(tmp)
-        host_writes(self, "random")
-        return self
-
-    return k
 
 
 _VIEW_OPS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "view_as_complex")
@@ -386,8 +356,12 @@ def _make_module() -> types.ModuleType:
     mod.synchronize = _synchronize
     mod.device = _DeviceContext
     mod._is_in_bad_fork = lambda: False
-    mod.manual_seed = lambda seed: None  # random fills use torch's CPU generator
-    mod.manual_seed_all = lambda seed: None
+    mod.manual_seed = rng.manual_seed  # the card's generator (torch_bridge.rng)
+    mod.manual_seed_all = rng.manual_seed
+    mod.seed = mod.seed_all = rng.seed
+    mod.initial_seed = rng.initial_seed
+    mod.get_rng_state = rng.get_rng_state
+    mod.set_rng_state = rng.set_rng_state
     mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
     mod.memory_stats = _memory_stats
     mod.memory_allocated = lambda device=None: _memory_stats()["bytes_in_use"]
@@ -451,9 +425,7 @@ def register() -> None:
             lib.impl(name, kernel, k)
         for name in _VIEW_OPS:
             lib.impl(name, _view_kernel(getattr(aten, name).default), k)
-        for name in _RNG_OPS:
-            base, _, ov = name.partition(".")
-            lib.impl(name, _rng_kernel(getattr(getattr(aten, base), ov or "default")), k)
+        rng.register(lib)
         eager.register_kernels(lib)
         attention.register(lib)
         overrideable.register(lib)
