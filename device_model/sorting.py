@@ -83,11 +83,19 @@ def argsort_rows(xp: Any, keys: list[Any], order: str, descending: bool, k: int)
     if xp is np:
         perm = np.lexsort(tuple(reversed(ks)), axis=-1)
         return perm[..., :k].astype(np.int32)
-    from jax import lax
+    # XLA's CPU sort runs a comparator per comparison (about 55 us a row of 512); NumPy's
+    # lexsort, called back from the simulated program, is some 20 times faster and gives the
+    # same (stable) order
+    import jax
 
-    iota = lax.broadcasted_iota(np.int32, ks[0].shape, ks[0].ndim - 1)
-    out = lax.sort((*ks, iota), dimension=ks[0].ndim - 1, is_stable=True, num_keys=len(ks))
-    return out[-1][..., :k]
+    shape = (*ks[0].shape[:-1], k)
+
+    def host(*arrays: np.ndarray) -> np.ndarray:
+        perm = np.lexsort(tuple(reversed(arrays)), axis=-1)[..., :k]
+        return np.ascontiguousarray(perm, dtype=np.int32)
+
+    out = jax.ShapeDtypeStruct(shape, np.int32)
+    return jax.pure_callback(host, out, *ks, vmap_method="expand_dims")
 
 
 def take_rows(xp: Any, x: Any, idx: Any, n: int, mode: str, fill: Any) -> Any:

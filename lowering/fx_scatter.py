@@ -32,7 +32,7 @@ import numpy as np
 from device_model.layout import np_dtype
 from device_model.ops import REDUCTIONS
 
-from . import indexing, torch_import
+from . import indexing, sort_ops, torch_import
 from .builder import Builder, Lit
 from .fx_common import bcast, convert, ew_raw, meta_val, norm_dim, result, rule
 from .graph import Var
@@ -148,11 +148,72 @@ def _elementwise_scatter(
         else b.const(np.broadcast_to(_iota(ishape, j), ishape).copy(), _I32)
         for j in range(r)
     ]
+    if kind == "set" and _sorted_ok(x, index, d):
+        return _sorted_scatter_set(b, xs, d, coords[d], upd)
     index, dims = _stacked(b, coords), tuple(range(r))
     if not include_self and kind != "set":
         ident = b.full(ishape, _identity(kind, dt), dt)
         xs = indexing.scatter(b, xs, index, ident, dims, (), "set", clip=False)
     return indexing.scatter(b, xs, index, upd, dims, (), kind, clip=False)
+
+
+#: a set scatter whose match (elements of ``self`` times elements of ``index``) is past this
+#: many takes the sorted path (:func:`_sorted_scatter_set`) where it can
+_SORTED_FROM = 1 << 14
+
+
+def _sorted_ok(x: Any, index: Any, d: int) -> bool:
+    """Whether a set scatter along ``d`` can take the sorted path: the index covers ``x`` in
+    every other dim, and the match is large."""
+    xs, ishape = tuple(x.shape), tuple(index.shape)
+    return (
+        len(xs) == len(ishape)
+        and all(ishape[j] == xs[j] for j in range(len(xs)) if j != d)
+        and math.prod(xs) * math.prod(ishape) > _SORTED_FROM
+    )
+
+
+def _sorted_scatter_set(b: Builder, xs: Var, d: int, idx: Var, upd: Var) -> Var:
+    """``torch.scatter`` (set) along ``d`` by two stable sorts per row instead of a match of
+    every element with every update: ``O((n + L) log(n + L))`` per row of ``L`` elements and
+    ``n`` updates, where the match is ``O(rows^2 n L)`` (top-p sampling scatters a whole
+    vocabulary: 50257^2 would not fit). Per row, the updates (key ``2 index``) and the row's
+    positions (key ``2 t + 1``) are sorted together: each position comes right after the
+    updates aimed at it, so the last update before it (a running max of update positions) is
+    its value when its key is ``2 t``. A second sort (of the permutation: its inverse) finds
+    each position's place in the sorted order. Out-of-range indices match no position
+    (dropped); of duplicates the last in index order wins, as on the other path."""
+    r = len(xs.shape)
+    perm_t = (*[j for j in range(r) if j != d], d)
+    inv_t = tuple(int(i) for i in np.argsort(perm_t))
+    xt, it, ut = (b.transpose(v, perm_t) if d != r - 1 else v for v in (xs, idx, upd))
+    rest = xt.shape[:-1]
+    R, L, n = math.prod(rest), xt.shape[-1], it.shape[-1]
+    xr, ir, ur = b.reshape(xt, (R, L)), b.reshape(it, (R, n)), b.reshape(ut, (R, n))
+    two = b.elementwise("mul", [ir, Lit(2, _I32)], (R, n), _I32)
+    tkeys = b.const(np.broadcast_to(np.arange(L, dtype=np.int32) * 2 + 1, (R, L)).copy(), _I32)
+    keys = b.concat([two, tkeys], 1)  # [R, n + L]
+    N = n + L
+    perm = sort_ops.argsort(b, [keys], 1)
+    ks = sort_ops.take_along(b, keys, perm, 1)
+    pos = b.const(np.broadcast_to(np.arange(N, dtype=np.int32), (R, N)).copy(), _I32)
+    is_upd = b.elementwise("lt", [perm, Lit(n, _I32)], (R, N), "bool")
+    marks = b.elementwise("select_n", [is_upd, Lit(-1, _I32), pos], (R, N), _I32)
+    last = b.emit("reduce", [marks], (R, N), _I32, kind="cummax", axes=(1,))
+    place = b.slice_dim(sort_ops.argsort(b, [perm], 1), 1, n, N)  # [R, L]: each t's place
+    u = sort_ops.take_along(b, last, place, 1)
+    u0 = b.elementwise("max", [u, Lit(0, _I32)], (R, L), _I32)
+    ku = sort_ops.take_along(b, ks, u0, 1)
+    want = b.const(np.broadcast_to(np.arange(L, dtype=np.int32) * 2, (R, L)).copy(), _I32)
+    hit = b.elementwise("eq", [ku, want], (R, L), "bool")
+    hit = b.elementwise(
+        "and", [hit, b.elementwise("ge", [u, Lit(0, _I32)], (R, L), "bool")], (R, L), "bool"
+    )
+    j = sort_ops.take_along(b, perm, u0, 1)
+    val = sort_ops.take_along(b, ur, j, 1)  # (clipped where no update hits)
+    out = b.elementwise("select_n", [hit, xr, val], (R, L), xr.dtype)
+    out = b.reshape(out, xt.shape)
+    return b.transpose(out, inv_t) if d != r - 1 else out
 
 
 def _iota(shape: tuple[int, ...], j: int) -> np.ndarray:
@@ -172,6 +233,8 @@ def _scatter_ok(node: torch.fx.Node) -> bool:
     if not isinstance(v, torch.Tensor) or idx is None:
         return False
     accumulates = red is not None or node.target is aten.scatter_add.default
+    if not accumulates and v.dim() and _sorted_ok(v, idx, norm_dim(node.args[1], v.dim())):
+        return True  # the sorted path: no match
     return not (accumulates and v.dtype == torch.bool) and _fits(v.numel(), idx.numel(), 1, False)
 
 

@@ -211,6 +211,10 @@ def test_bench_eager_json(capsys):
     assert g["tokens_equal"] == 3 and g["fallbacks"] == 0 and g["runs_agree"]
     assert g["compiles_warm"] == 0 and g["compiles_cold"] > 0
     assert g["generate_warm_s"] > 0 and g["warm_over_cpu"] > 0
+    d = r["decoding"]
+    assert set(d) == {"greedy", "sample", "beam3"}
+    assert all(v["fallbacks"] == 0 and v["card_ms_per_token"] > 0 for v in d.values())
+    assert d["beam3"]["tokens_equal_cpu"] and d["greedy"]["tokens_equal_cpu"]
 
 
 @pytest.mark.slow

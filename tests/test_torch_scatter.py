@@ -357,3 +357,46 @@ def test_a_match_past_the_bound_runs_on_the_cpu():
     i = _dups(256, (64, 256))
     fb = _fallback_ok(lambda a, j, u: torch.scatter_add(a, 1, j, u), x, i, s)
     assert fb == {"aten.scatter_add.default": 1}
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "index"),
+    [
+        ((1, 500), 1, "perm"),  # top-p sampling's scatter of a sorted vocabulary
+        ((3, 300), 1, "perm"),
+        ((300, 3), 0, "perm"),
+        ((2, 400), 1, "dups"),  # duplicates: the last in index order, as torch's CPU
+        ((2, 3, 200), 2, "dups"),
+        ((4, 130), 1, "short"),  # fewer updates than positions: the rest keep their own
+    ],
+)
+@pytest.mark.parametrize("dtype", [F32, F16, torch.bool])
+def test_the_sorted_path_of_a_large_set_scatter(shape, dim, index, dtype):
+    """A set scatter past _SORTED_FROM takes two sorts per row instead of the match (O(n log n),
+    not O(n^2)): against torch on both paths."""
+    n = shape[dim]
+    if index == "perm":
+        i = _unique(shape, dim, n)
+    elif index == "dups":
+        i = _dups(n, shape)
+    else:
+        i = _unique(shape, dim, n // 2)
+    x, s = _x(F32, shape) > 0, _x(F32, tuple(i.shape), 1) > 0
+    if dtype != torch.bool:
+        x, s = _x(dtype, shape), _x(dtype, tuple(i.shape), 1)
+
+    def fn(a, j, u):  # noqa: ANN001, ANN202
+        return a.scatter(dim, j, u)
+
+    want = fn(x, i, s)
+    assert torch.equal(_run_compiled(fn, x, i, s), want)
+    assert torch.equal(_run_eager(fn, x, i, s), want)
+
+
+def test_a_vocabulary_sized_set_scatter_runs_on_the_card():
+    # [1, 50257]: 2.5e9 elements to match; sorted, it is two sorts of 100514
+    x = _x(F32, (1, 50257))
+    i = _unique((1, 50257), 1, 50257)
+    s = _x(F32, (1, 50257), 1) > 0
+    fn = lambda a, j, u: a.masked_fill(torch.zeros_like(u).scatter(1, j, u), 0.0)  # noqa: E731
+    assert torch.equal(_run_compiled(fn, x, i, s), fn(x, i, s))

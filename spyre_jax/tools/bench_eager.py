@@ -10,7 +10,12 @@ Two figures, each measured side by side with eager CPU in the same run:
   for the 2-layer Llama of ``bench serve``: wall time cold (the first call: kernels compile) and
   warm (the second call) and steady (the median of the next three), beside eager CPU's (fp32,
   warm, the median of three), the kernels compiled by each call, a second prompt of
-  another length, CPU fallbacks, and whether the tokens equal the CPU's.
+  another length, CPU fallbacks, and whether the tokens equal the CPU's;
+* the decoding strategies on the device for the same model: greedy, sampling (``top_k`` 50,
+  ``top_p`` 0.9, temperature 0.8: ``torch.sort``, ``topk``, ``scatter``, ``multinomial`` and the
+  card's random numbers) and beam search (3 beams: ``topk``, ``floor_divide``): the steady wall
+  per token (the median of three warm calls) beside greedy's and eager CPU's, the CPU fallbacks,
+  and whether beam search's tokens equal the CPU's.
 """
 
 from __future__ import annotations
@@ -121,9 +126,65 @@ def _generate_costs(prompt: int, tokens: int) -> dict[str, Any]:
     }
 
 
+#: the decoding strategies of :func:`_decoding_costs` (``generate()`` keywords)
+STRATEGIES = {
+    "greedy": {"do_sample": False},
+    "sample": {"do_sample": True, "top_k": 50, "top_p": 0.9, "temperature": 0.8},
+    "beam3": {"do_sample": False, "num_beams": 3},
+}
+
+
+def _per_token(model: Any, ids: torch.Tensor, n: int, kw: dict[str, Any]) -> tuple[Any, float]:
+    def run() -> tuple[torch.Tensor, float]:
+        torch.manual_seed(0)
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+        return out.cpu(), (time.perf_counter() - t) / n
+
+    run()  # warm: kernels compile
+    runs = [run() for _ in range(3)]
+    return runs[0][0], statistics.median(r[1] for r in runs)
+
+
+def _decoding_costs(prompt: int, tokens: int) -> dict[str, dict[str, Any]]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cpu = llama_tiny(2).eval()
+    card = llama_tiny(2).eval()
+    card.load_state_dict(cpu.state_dict())
+    card.to("spyre")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cpu.config.vocab_size, (1, prompt), generator=g)
+    res: dict[str, dict[str, Any]] = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, kw in STRATEGIES.items():
+            want, cpu_s = _per_token(cpu, ids, tokens, kw)
+            dev.reset_stats()
+            got, card_s = _per_token(card, ids.to("spyre"), tokens, kw)
+            res[name] = {
+                "cpu_ms_per_token": cpu_s * 1e3,
+                "card_ms_per_token": card_s * 1e3,
+                "card_over_cpu": card_s / cpu_s,
+                "fallbacks": sum(dev.fallback_stats().values()),
+                "tokens_equal_cpu": bool(torch.equal(got, want)) if name != "sample" else None,
+            }
+    for r in res.values():
+        r["over_greedy"] = r["card_ms_per_token"] / res["greedy"]["card_ms_per_token"]
+        r["cpu_over_greedy"] = r["cpu_ms_per_token"] / res["greedy"]["cpu_ms_per_token"]
+    return res
+
+
 def bench_eager(*, reps: int = 5, prompt: int = 8, tokens: int = 24) -> dict[str, Any]:
-    """The small op's host cost and ``generate()`` on the device, beside eager CPU."""
-    return {"op": _op_costs(reps), "generate": _generate_costs(prompt, tokens)}
+    """The small op's host cost, ``generate()`` on the device and its decoding strategies,
+    beside eager CPU."""
+    return {
+        "op": _op_costs(reps),
+        "generate": _generate_costs(prompt, tokens),
+        "decoding": _decoding_costs(prompt, tokens),
+    }
 
 
 def format_eager(res: dict[str, Any]) -> str:
@@ -153,4 +214,16 @@ def format_eager(res: dict[str, Any]) -> str:
         ),
         width=13,
     )
-    return op + "\n\n" + gen
+    dec = format_table(
+        res["decoding"],
+        (
+            ("cpu ms/tok", "cpu_ms_per_token", "{:.2f}"),
+            ("card ms/tok", "card_ms_per_token", "{:.1f}"),
+            ("/greedy", "over_greedy", "{:.2f}"),
+            ("cpu /greedy", "cpu_over_greedy", "{:.2f}"),
+            ("fallbacks", "fallbacks", "{}"),
+            ("equal cpu", "tokens_equal_cpu", "{}"),
+        ),
+        width=12,
+    )
+    return op + "\n\n" + gen + "\n\n" + dec
