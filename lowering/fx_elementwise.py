@@ -346,8 +346,8 @@ def _full(b: Builder, node: torch.fx.Node, size: Any, value: Any, **kw: Any) -> 
     return b.full(shape, value, dt)
 
 
-@rule(aten.empty.memory_format, aten.empty_like.default)
-def _empty(b: Builder, node: torch.fx.Node, size: Any, **kw: Any) -> Var:
+@rule(aten.empty.memory_format, aten.empty_like.default, aten.empty_permuted.default)
+def _empty(b: Builder, node: torch.fx.Node, size: Any, *layout: Any, **kw: Any) -> Var:
     """Uninitialized memory: zeros (a program reads only what it wrote into it)."""
     shape, dt = result(node)
     return b.full(shape, 0, dt)

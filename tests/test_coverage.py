@@ -83,12 +83,34 @@ def test_ties_of_an_unstable_sort_may_come_in_any_order():
     assert not coverage_torch._ties_only(op, stable, ours, want)
 
 
-def test_torch_skips_nondeterministic_and_unknown_path():
-    res = coverage_torch.coverage_torch(ops=["bernoulli"], limit_samples=1, paths=("backend",))
-    rec = res["ops"]["bernoulli"]["backend"]
+def test_torch_checks_random_ops_statistically_and_skips_uninitialized_ones():
+    res = coverage_torch.coverage_torch(
+        ops=["bernoulli", "nn.functional.dropout2d", "empty_like"], limit_samples=2
+    )
+    for name in ("bernoulli", "nn.functional.dropout2d"):
+        for path in ("backend", "device"):
+            rec = res["ops"][name][path]
+            assert rec["passed"] > 0 and rec["wrong"] == rec["error"] == 0, res["ops"][name]
+    rec = res["ops"]["empty_like"]["backend"]
     assert rec["skipped"] >= 1 and rec["passed"] == rec["error"] == 0
     with pytest.raises(ValueError):
         coverage_torch.coverage_torch(ops=["add"], paths=("gpu",))
+
+
+def test_the_statistical_check_tells_a_wrong_distribution():
+    g = torch.Generator().manual_seed(0)
+    draws = [torch.randn(400, generator=g) for _ in range(8)]
+    assert coverage_torch._statistical(torch.randn(400, generator=g), draws) is None
+    assert "distribution" in coverage_torch._statistical(torch.rand(400, generator=g), draws)
+    coins = [torch.bernoulli(torch.full((400,), 0.5), generator=g) for _ in range(8)]
+    assert coverage_torch._statistical(torch.bernoulli(torch.full((400,), 0.5)), coins) is None
+    assert coverage_torch._statistical(torch.bernoulli(torch.full((400,), 0.2)), coins)
+    assert "float16" in coverage_torch._statistical(draws[0].half(), draws)
+    # channel dropout: each value one some draw has at its position
+    x = torch.ones(4, 3, 1)
+    masks = [x * torch.bernoulli(torch.full((4, 3, 1), 0.5), generator=g) * 2 for _ in range(64)]
+    assert coverage_torch._statistical(masks[0], masks[1:], correlated=True) is None
+    assert coverage_torch._statistical(x * 3, masks, correlated=True)
 
 
 @pytest.mark.slow

@@ -359,3 +359,22 @@ def test_beam_search_on_the_device_equals_the_cpu(gpt2):
     got = _generate(card, ids.to("spyre"), num_beams=3, do_sample=False).cpu()
     assert dev.fallback_stats() == {}
     assert torch.equal(got, want)
+
+
+def test_normal_with_tensor_mean_and_std_on_both_paths():
+    mean = torch.linspace(-50, 50, 4000)
+    std = torch.full((4000,), 0.5)
+
+    def f(m, s):  # noqa: ANN001, ANN202
+        return torch.normal(m, s), torch.normal(m, 2.0), torch.normal(1.0, s)
+
+    torch.manual_seed(0)
+    eager = [t.cpu() for t in f(mean.to("spyre"), std.to("spyre"))]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(f, backend="spyre", options={"strict": True})(mean, std)
+    for got in (eager, compiled):
+        z = [(got[0] - mean) / 0.5, (got[1] - mean) / 2.0, (got[2] - 1.0) / 0.5]
+        for v in z:
+            assert scipy.stats.kstest(v.double().numpy(), scipy.stats.norm().cdf).pvalue > ALPHA
+    assert dev.fallback_stats() == {}

@@ -293,7 +293,18 @@ def _randperm_out(n: int, *, generator: _Gen = None, out: torch.Tensor) -> torch
     return out
 
 
+def _normal_of(mean: Any, std: Any = 1.0, *, generator: _Gen = None) -> torch.Tensor:
+    """``torch.normal`` with a tensor mean and/or std: ``mean + std * z``."""
+    like = mean if isinstance(mean, torch.Tensor) else std
+    shape = torch.broadcast_shapes(*(t.shape for t in (mean, std) if isinstance(t, torch.Tensor)))
+    z = _draw(like, "normal", 0.0, 1.0, shape=shape, generator=generator)
+    return mean + std * z
+
+
 _KERNELS = {
+    "normal.Tensor_Tensor": _normal_of,
+    "normal.Tensor_float": _normal_of,
+    "normal.float_Tensor": _normal_of,
     "uniform_": _uniform_,
     "normal_": _normal_,
     "log_normal_": _log_normal_,
@@ -397,6 +408,10 @@ def _dist_of(n: torch.fx.Node) -> tuple[str, Any, float, float, int] | None:
             float(bool(arg(2, "replacement", False))),
             arg(1, "num_samples", 1),
         )
+    if t in (aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor):
+        return "normal_of", None, 0.0, 0.0, 0
+    if t == aten.normal.float_float:
+        return "normal", None, arg(0, "mean", 0.0), arg(1, "std", 1.0), 0
     if t == aten.randperm.default:
         return "randperm", None, 0.0, 0.0, arg(0, "n", 0)
     return None
@@ -423,15 +438,29 @@ def rewrite_random(gm: torch.fx.GraphModule) -> int:
             todo.append((n, d))
     if not todo:
         return 0
-    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    phs = [n for n in g.nodes if n.op == "placeholder"]
     for i, (n, d) in enumerate(todo):
-        with g.inserting_after(last):
-            st = g.placeholder(f"spyre_rng_state_{i}")
+        if phs:
+            with g.inserting_after(phs[-1]):
+                st = g.placeholder(f"spyre_rng_state_{i}")
+        else:
+            with g.inserting_before(next(iter(g.nodes))):
+                st = g.placeholder(f"spyre_rng_state_{i}")
+        phs.append(st)
         st.meta["val"] = torch.empty(4, dtype=torch.int32)
-        last = st
         with g.inserting_before(n):
             if d is None:
                 new = g.call_function(DROPOUT, (st, n.args[0], float(n.args[1])))
+            elif d[0] == "normal_of":
+                val = n.meta["val"]
+                z = g.call_function(
+                    RANDOM, (st, None, "normal", list(val.shape), val.dtype, 0.0, 1.0, 0)
+                )
+                z.meta.update(n.meta)
+                mean, std = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("std", 1.0)
+                scaled = g.call_function(aten.mul.Tensor, (z, std))
+                scaled.meta.update(n.meta)
+                new = g.call_function(aten.add.Tensor, (scaled, mean))
             else:
                 dist, x, a, b, cnt = d
                 val = n.meta["val"]

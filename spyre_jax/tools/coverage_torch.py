@@ -54,10 +54,45 @@ from .coverage_common import (
     time_guard,
 )
 
-__all__ = ["NONDETERMINISTIC", "coverage_torch", "worker_main"]
+__all__ = ["NONDETERMINISTIC", "RANDOM_OPS", "coverage_torch", "worker_main"]
 
-#: OpInfo names containing one of these give outputs that are not determined by their inputs
-NONDETERMINISTIC = ("rand", "normal", "bernoulli", "dropout", "empty", "uniform", "multinomial")
+#: OpInfo names containing one of these give uninitialized memory: skipped
+NONDETERMINISTIC = ("empty",)
+#: OpInfo ops that draw random numbers: checked statistically (:func:`_statistical`) against
+#: :data:`REFERENCE_DRAWS` draws of the same sample on the CPU
+RANDOM_OPS = frozenset(
+    {
+        "bernoulli",
+        "log_normal",
+        "multinomial",
+        "normal",
+        "normal.in_place",
+        "normal.number_mean",
+        "uniform",
+        "randn",
+        "randn_like",
+        "rand_like",
+        "randint",
+        "randint_like",
+        "nn.functional.dropout",
+        "nn.functional.dropout2d",
+        "nn.functional.dropout3d",
+        "nn.functional.alpha_dropout",
+        "nn.functional.feature_alpha_dropout.with_train",
+    }
+)
+REFERENCE_DRAWS = 8
+#: random ops whose values are not independent (whole channels dropped): each value is checked
+#: to be one a CPU draw has at its position, not the pooled distribution
+CORRELATED = frozenset(
+    {
+        "nn.functional.dropout2d",
+        "nn.functional.dropout3d",
+        "nn.functional.feature_alpha_dropout.with_train",
+    }
+)
+#: a random op's output fails its statistical check below this p-value
+STAT_ALPHA = 1e-4
 
 PATHS = ("backend", "device")
 
@@ -76,7 +111,17 @@ def _import_op_db() -> list[Any]:
             sys.modules["expecttest"] = stub
     from torch.testing._internal.common_methods_invocations import op_db  # needs the stand-in
 
+    for op in op_db:  # random ops draw anew each call (OpInfo reseeds with 42 around each)
+        g = getattr(op.op, "__globals__", {})
+        if _op_name(op) in RANDOM_OPS and "wrapper_set_seed" in g:
+            g["wrapper_set_seed"] = _unseeded
     return list(op_db)
+
+
+def _unseeded(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """OpInfo's ``wrapper_set_seed`` without its reseeding: the statistical check needs
+    independent draws, and Dynamo cannot trace ``torch.manual_seed``."""
+    return op(*args, **kwargs)
 
 
 def _op_name(op: Any) -> str:
@@ -215,6 +260,58 @@ def _ties_only(op: Any, sample: Any, got: Any, want: Any) -> bool:
     return True
 
 
+def _statistical(got: Any, draws: list[Any], correlated: bool = False) -> str | None:
+    """None when a random op's output ``got`` could be a draw of the distribution that the
+    CPU's ``draws`` of the same sample come from, else why not: each output's dtype and shape
+    must match, its values pass a two-sample test against the draws pooled (chi-square of the
+    counts for at most 32 distinct values, Kolmogorov-Smirnov otherwise) at :data:`STAT_ALPHA`,
+    and NaNs appear in both or neither. Under 8 values, only the range is checked (within the
+    draws' range widened by its width on each side; there are 256 draws then). ``correlated``
+    (channel dropout): each value must be one some draw has at its position."""
+    import scipy.stats
+
+    gl = _torch_leaves(got)
+    pools = [_torch_leaves(d) for d in draws]
+    if any(len(p) != len(gl) for p in pools):
+        return f"{len(gl)} outputs, expected {len(pools[0])}"
+    for i, g in enumerate(gl):
+        ws = [p[i] for p in pools]
+        if not isinstance(ws[0], torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != ws[0].shape or g.dtype != ws[0].dtype:
+            return f"output {i}: {getattr(g, 'dtype', type(g))}, expected {ws[0].dtype}"
+        if correlated:  # whole channels kept or dropped: each value one that a draw has there
+            tol = 1e-2 if g.dtype in (torch.float16, torch.bfloat16) else 1e-4
+            dist = [(g.double() - w.double()).abs() <= tol * (1 + w.double().abs()) for w in ws]
+            near = torch.stack(dist).any(0)
+            if not bool(near.all()):
+                return f"output {i}: a value no CPU draw has at its position"
+            continue
+        a = g.detach().double().flatten().numpy()
+        b = torch.cat([w.detach().double().flatten() for w in ws]).numpy()
+        if not a.size:
+            continue
+        if np.isnan(a).any() != np.isnan(b).any():
+            return f"output {i}: NaNs in {'ours' if np.isnan(a).any() else 'the CPU draws'} only"
+        a, b = a[~np.isnan(a)], b[~np.isnan(b)]
+        if a.size < 8 or not b.size:
+            lo, hi = (b.min(), b.max()) if b.size else (0.0, 0.0)
+            if a.size and (a.min() < lo - (hi - lo) or a.max() > hi + (hi - lo)):
+                return f"output {i}: values outside the CPU draws' range [{lo}, {hi}]"
+            continue
+        values = np.union1d(a, b)
+        if values.size <= 32:
+            if values.size == 1:
+                continue
+            table = np.array([[np.sum(a == v) for v in values], [np.sum(b == v) for v in values]])
+            p = scipy.stats.chi2_contingency(table).pvalue
+        else:
+            p = scipy.stats.ks_2samp(a, b).pvalue
+        if p < STAT_ALPHA:
+            return f"output {i}: not the CPU's distribution (p = {p:.1e})"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # the two paths
 
@@ -308,13 +405,29 @@ def _torch_sample(
     except Exception as e:
         book.add_all(name, "skipped", f"eager reference failed ({type(e).__name__})")
         return
-    if mutated:
+    random = _op_name(op) in RANDOM_OPS
+    if mutated and not random:  # (a random fill is in place: its result is what is checked)
         book.add_all(name, "skipped", "in-place (mutates its inputs)")
         return
     if not any(isinstance(t, torch.Tensor) for t in _torch_leaves(want)):
         book.add_all(name, "skipped", "non-tensor output")
         return
-    if not _same_torch(want, again):
+    draws = [want, again]
+    if random:
+        try:
+            with time_guard(timeout), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                small = sum(t.numel() for t in _torch_leaves(want) if isinstance(t, torch.Tensor))
+                # a few values, or values checked one by one: many draws, so that they hold
+                # what a draw can be
+                many = small < 8 or _op_name(op) in CORRELATED  # (each value needs its draw)
+                for _ in range((256 if many else REFERENCE_DRAWS) - 2):
+                    inp, args, kwargs = _clone(orig)
+                    draws.append(op.op(inp, *args, **kwargs))
+        except Exception as e:
+            book.add_all(name, "skipped", f"eager reference failed ({type(e).__name__})")
+            return
+    elif not _same_torch(want, again):
         book.add_all(name, "skipped", "non-deterministic output")
         return
     for path in paths:
@@ -333,8 +446,9 @@ def _torch_sample(
                             book.count_unsupported(path, f)
                         book.add(name, path, "unsupported", note="CPU fallback: " + ", ".join(fell))
                         continue
-            why = _torch_close(got, want)
-            if why is not None and _ties_only(op, sample, got, want):
+            corr = _op_name(op) in CORRELATED
+            why = _statistical(got, draws, corr) if random else _torch_close(got, want)
+            if why is not None and not random and _ties_only(op, sample, got, want):
                 why = None
         except Exception as e:
             status, key, note = classify(e)
@@ -359,7 +473,7 @@ def _torch_op(
     book.op(name)
     lname = op.name.lower()
     if any(w in lname for w in NONDETERMINISTIC):
-        book.add_all(name, "skipped", "non-deterministic op")
+        book.add_all(name, "skipped", "uninitialized memory")
         return
     if op.name.endswith("_") and not op.name.endswith("__"):
         book.add_all(name, "skipped", "in-place op")
