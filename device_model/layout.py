@@ -21,13 +21,16 @@ __all__ = ["DTYPES", "TensorLayout", "layout_for", "np_dtype", "check_dtype", "S
 #: Device dtypes and their item sizes in bytes. bool is stored one byte per element.
 #: uint32 is held as int32 bits (the card's integer type is int32, CARD.md); the units compute
 #: on it as unsigned (comparisons, shifts, division, conversions), as a compiler for the card
-#: would emit for it.
+#: would emit for it. int8 (CARD.md) and uint8 are one byte an element, 128 to a stick; their
+#: arithmetic wraps at 8 bits. int16 is not a card type (CARD.md lists int4, int8 and int32).
 DTYPES: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float32": 4,
     "int32": 4,
     "uint32": 4,
+    "int8": 1,
+    "uint8": 1,
     "bool": 1,
 }
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(DTYPES)

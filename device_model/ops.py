@@ -285,6 +285,8 @@ def _special(xp: Any, a: Any, name: str) -> Any:
 
 
 def _div(xp: Any, a: Any, b: Any) -> Any:
+    if a.dtype.kind in "iu" and a.dtype.itemsize < 4:  # int8/uint8: in int32 (abs(-128) fits)
+        return _div(xp, a.astype(np.int32), b.astype(np.int32)).astype(a.dtype)
     if a.dtype.kind in "iu":
         # C-style integer division (truncation toward zero), as lax.div
         q = xp.abs(a) // xp.where(b == 0, 1, xp.abs(b))
@@ -293,6 +295,8 @@ def _div(xp: Any, a: Any, b: Any) -> Any:
 
 
 def _rem(xp: Any, a: Any, b: Any) -> Any:
+    if a.dtype.kind in "iu" and a.dtype.itemsize < 4:
+        return _rem(xp, a.astype(np.int32), b.astype(np.int32)).astype(a.dtype)
     if a.dtype.kind in "iu":
         r = xp.abs(a) % xp.where(b == 0, 1, xp.abs(b))
         return xp.where(a < 0, -r, r).astype(a.dtype)

@@ -49,6 +49,8 @@ _TORCH_DTYPES = {
     torch.float32: "float32",
     torch.int32: "int32",
     torch.int64: "int32",  # indices: narrowed, as the JAX frontend does
+    torch.int8: "int8",
+    torch.uint8: "uint8",
     torch.bool: "bool",
 }
 
@@ -111,12 +113,15 @@ def promote(*xs: Any) -> str:
     ts = [x for x in xs if isinstance(x, Var)]
     if not ts:
         return "float32"
-    order = {"bool": 0, "int32": 1, "float16": 2, "bfloat16": 2, "float32": 3}
+    order = {"bool": 0, "int8": 1, "uint8": 1, "int32": 2, "float16": 3, "bfloat16": 3}
+    order["float32"] = 4
     dts = {t.dtype for t in ts}
     if dts == {"float16", "bfloat16"}:
         return "float32"
-    best = max(dts, key=lambda d: order[d])
-    if order[best] <= 1 and any(isinstance(x, float) for x in xs):
+    if dts >= {"int8", "uint8"} and not dts & {"int32", "float16", "bfloat16", "float32"}:
+        return "int32"  # (torch: int16, which the card does not have; int32 holds every result)
+    best = max(dts, key=lambda d: order.get(d, 2))
+    if order.get(best, 2) <= 2 and any(isinstance(x, float) for x in xs):
         return "float32"
     return best
 

@@ -18,6 +18,8 @@ from .graph import Var
 from .torch_import import torch
 
 aten = torch.ops.aten
+#: the card's integer dtypes (bitwise ops act on their bits)
+_INTS = ("int32", "int8", "uint8", "uint32")
 
 # ---------------------------------------------------------------------------------------------
 # rules: elementwise
@@ -58,8 +60,8 @@ for _op, _fn in _UNARY.items():
 
     def _u(b: Builder, node: torch.fx.Node, x: Var, _fn: str = _fn) -> Var:
         if _fn == "not":
-            if result(node)[1] == "int32":  # bitwise not on integers
-                return ew(b, node, "not", x, compute="int32")
+            if result(node)[1] in _INTS:  # bitwise not on integers
+                return ew(b, node, "not", x, compute=result(node)[1])
             return ew(b, node, "not", convert(b, x, "bool"), compute="bool")
         shape, out_dt = result(node)
         cdt = out_dt if out_dt != "bool" else "float32"
@@ -126,8 +128,8 @@ for _op, _fn in _BINARY.items():
             raise LoweringError(f"spyre: div with rounding_mode={rounding_mode!r}")
         if _fn in ("and", "or", "xor"):
             shape, out_dt = result(node)
-            if out_dt == "int32":  # bitwise on integers
-                return ew(b, node, _fn, x, y, compute="int32")
+            if out_dt in _INTS:  # bitwise on integers
+                return ew(b, node, _fn, x, y, compute=out_dt)
             return ew(b, node, _fn, *(to_bool(b, v) for v in (x, y)), compute="bool")
         if alpha is not None and alpha != 1:
             shape, _ = result(node)

@@ -98,9 +98,8 @@ def host_dtype(x: Any) -> str:
     """The device dtype for a host value; TypeError for float64/complex/unsupported dtypes."""
     dt = np.asarray(x).dtype if not hasattr(x, "dtype") else np.dtype(x.dtype)
     name = dt.name
-    if name in ("int64", "int16", "int8", "uint8"):
-        if name == "int64":
-            warnings.warn("spyre: int64 is narrowed to int32 on the card", stacklevel=3)
+    if name == "int64":
+        warnings.warn("spyre: int64 is narrowed to int32 on the card", stacklevel=3)
         return "int32"
     if name not in SUPPORTED_DTYPES:
         raise TypeError(

@@ -32,7 +32,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from device_model.runtime import runtime
 from lowering.errors import UnsupportedPrimitiveError
-from lowering.from_fx import from_fx, node_source, supported
+from lowering.from_fx import RULES, card_dtype, from_fx, node_source, supported
+from lowering.fx_common import is_card_dtype
 
 from . import rng
 from .dynamic import DynamicGraph, is_dynamic
@@ -166,6 +167,9 @@ def _compile_static(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
     bad = [n for n in gm.graph.nodes if not supported(n)]
     if bad and strict:
         n = bad[0]
+        for v in _tensor_vals(n):  # a rule that exists, on a dtype the card does not have
+            if n.target in RULES and not is_card_dtype(v.dtype):
+                card_dtype(v.dtype, f"the result of {n.target} (at {node_source(n) or n.name})")
         raise UnsupportedPrimitiveError(
             "ATen", str(n.target), n.format_node(), node_source(n), _context(gm, n)
         )
@@ -188,6 +192,15 @@ def _compile_static(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
         _stats["kernels"] += nk
         _stats["compile_s"] += time.perf_counter() - t0
     return run
+
+
+def _tensor_vals(n: torch.fx.Node) -> list[torch.Tensor]:
+    vals = n.meta.get("val")
+    return [
+        v
+        for v in (vals if isinstance(vals, list | tuple) else [vals])
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 def _context(gm: torch.fx.GraphModule, node: torch.fx.Node, radius: int = 2) -> str:

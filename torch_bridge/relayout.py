@@ -34,6 +34,8 @@ _DECODE: dict[torch.dtype, tuple[int, str]] = {
     torch.bfloat16: (2, "bfloat16"),
     torch.int32: (4, "int32"),
     torch.int64: (8, "int64"),
+    torch.int8: (1, "int8"),
+    torch.uint8: (1, "uint8"),
     torch.bool: (1, "bool"),
 }
 
@@ -49,6 +51,8 @@ def _decode(raw: jax.Array, dtype: torch.dtype) -> jax.Array:
     if kind == "int64":
         words = lax.bitcast_convert_type(raw.reshape(n, 2, 4), jnp.uint32)[:, 0]
         return lax.bitcast_convert_type(words, jnp.int32)
+    if isz == 1:
+        return lax.bitcast_convert_type(raw, jnp.dtype(kind))
     return lax.bitcast_convert_type(raw.reshape(n, isz), jnp.dtype(kind))
 
 

@@ -417,6 +417,39 @@ def _dist_of(n: torch.fx.Node) -> tuple[str, Any, float, float, int] | None:
     return None
 
 
+#: random factories' ``size`` argument: its position
+_SIZE_AT = {
+    aten.rand.default: 0,
+    aten.randn.default: 0,
+    aten.randint.default: 1,
+    aten.randint.low: 2,
+    aten.normal.float_float: 2,
+}
+
+
+def _size(g: torch.fx.Graph, n: torch.fx.Node) -> list[Any]:
+    """The size of ``n``'s draw as graph values: a factory's own ``size`` argument, else the
+    sizes of the tensor operand of the result's shape (``aten.sym_size`` nodes for symbolic
+    ones, so that a graph of symbolic sizes stays one)."""
+    at = _SIZE_AT.get(n.target)
+    if at is not None:
+        return list(n.args[at] if len(n.args) > at else n.kwargs["size"])
+    shape = n.meta["val"].shape
+    for x in n.args:
+        v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if isinstance(v, torch.Tensor) and v.shape == shape:
+            out: list[Any] = []
+            for i, d in enumerate(shape):
+                if isinstance(d, int):
+                    out.append(d)
+                else:
+                    s = g.call_function(aten.sym_size.int, (x, i))
+                    s.meta["val"] = d
+                    out.append(s)
+            return out
+    return [int(d) for d in shape]
+
+
 def rewrite_random(gm: torch.fx.GraphModule) -> int:
     """Replace ``gm``'s random ops by ``spyre_jax::random``/``dropout``, each reading its state
     from a new input placed after the graph's own; returns how many inputs were added (one per
@@ -453,9 +486,8 @@ def rewrite_random(gm: torch.fx.GraphModule) -> int:
                 new = g.call_function(DROPOUT, (st, n.args[0], float(n.args[1])))
             elif d[0] == "normal_of":
                 val = n.meta["val"]
-                z = g.call_function(
-                    RANDOM, (st, None, "normal", list(val.shape), val.dtype, 0.0, 1.0, 0)
-                )
+                size = _size(g, n)
+                z = g.call_function(RANDOM, (st, None, "normal", size, val.dtype, 0.0, 1.0, 0))
                 z.meta.update(n.meta)
                 mean, std = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("std", 1.0)
                 scaled = g.call_function(aten.mul.Tensor, (z, std))
@@ -464,7 +496,7 @@ def rewrite_random(gm: torch.fx.GraphModule) -> int:
             else:
                 dist, x, a, b, cnt = d
                 val = n.meta["val"]
-                size = list(val.shape) if dist not in ("multinomial", "randperm") else []
+                size = _size(g, n) if dist not in ("multinomial", "randperm") else []
                 new = g.call_function(
                     RANDOM, (st, x, dist, size, val.dtype, float(a), float(b), int(cnt))
                 )

@@ -709,12 +709,9 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
 
 
 _TORCH_OF_CARD = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "bool": torch.bool,
+    k: getattr(torch, k) for k in ("float32", "float16", "bfloat16", "int32", "int8", "uint8")
 }
+_TORCH_OF_CARD["bool"] = torch.bool
 
 
 def from_card_buffer(buf: DeviceBuffer, meta: Any = None) -> torch.Tensor:
