@@ -24,6 +24,7 @@ import numpy as np
 from . import (
     fx_conv,
     fx_elementwise,
+    fx_misc,
     fx_pool,
     fx_random,
     fx_scatter,
@@ -41,7 +42,16 @@ from .torch_import import torch
 __all__ = ["from_fx", "RULES", "rule", "supported", "card_dtype", "node_source"]
 
 #: the rule modules, imported for the rules they register into :data:`RULES`
-RULE_MODULES = (fx_elementwise, fx_tensor, fx_select, fx_scatter, fx_conv, fx_pool, fx_random)
+RULE_MODULES = (
+    fx_elementwise,
+    fx_tensor,
+    fx_select,
+    fx_scatter,
+    fx_conv,
+    fx_pool,
+    fx_random,
+    fx_misc,
+)
 
 
 def supported(node: torch.fx.Node) -> bool:

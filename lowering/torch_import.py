@@ -38,6 +38,7 @@ FX_MODULES = (
     "lowering.fx_conv",
     "lowering.fx_pool",
     "lowering.fx_random",
+    "lowering.fx_misc",
     "lowering.from_fx",
 )
 

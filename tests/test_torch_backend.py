@@ -15,6 +15,7 @@ from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import RULES
 from spyre_jax.tools.testing import assert_close, assert_tree_close
 from torch_bridge import backend as tb
+from torch_bridge import device as dev
 
 
 def _compile(fn, **opts):
@@ -384,6 +385,49 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
 )
 def test_opinfo_regressions(name, fn):
     _check(fn, _rand((5, 65), torch.float32, 20), _rand((5, 65), torch.float32, 21) + 0.1)
+
+
+# rules that coverage torch found missing on the backend path (lowering/fx_misc.py)
+MISC = {
+    "log1p_expm1_exp2": (lambda a, b: torch.log1p(a.abs()) + torch.expm1(b) + torch.exp2(a), 1, 3),
+    "reciprocal": (lambda a, b: torch.reciprocal(b + 3.0), 1, 1),
+    "isnan_isinf": (lambda a, b: torch.isnan(a / b) | torch.isinf(a / (b - b)), 1, 1),
+    "fmod": (lambda a, b: torch.fmod(a * 5, b) + torch.fmod(a, -0.7), 1, 2),
+    "clamp_tensor": (lambda a, b: torch.clamp(a, min=b, max=b + 1), 1, 1),
+    "hardtanh_elu": (lambda a, b: F.hardtanh(a, -0.5, 0.5) + F.elu(b, 0.7), 1, 3),
+    "round_decimals": (
+        lambda a, b: torch.round(a * 100, decimals=-1) + torch.round(b, decimals=2),
+        1,
+        2,
+    ),
+    "repeat": (lambda a, b: a[:2, :7].repeat(3, 1, 2), 1, 1),
+    "diagonal": (
+        lambda a, b: torch.diagonal(a.reshape(5, 5, 13), 2, 0, 2) + torch.diag(a[:, :5], -1).sum(),
+        4,
+        1,
+    ),
+    "vector_norm": (
+        lambda a, b: torch.stack(
+            [
+                torch.linalg.vector_norm(a, o, dim=1)
+                for o in (2, 1, 0, 3.5, float("inf"), -float("inf"))
+            ]
+        ),
+        65,
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISC))
+def test_misc_rules(name):
+    fn, k, chain = MISC[name]
+    a, b = _rand((5, 65), torch.float32, 30), _rand((5, 65), torch.float32, 31)
+    _check(fn, a, b, k=k, chain=chain)
+    dev.reset_stats()
+    got = fn(a.to("spyre"), b.to("spyre"))
+    assert dev.fallback_stats() == {}
+    assert_tree_close(got.cpu(), fn(a, b), k=k, chain=chain)
 
 
 def _rounded_divisions(a, b):  # noqa: ANN001, ANN202
