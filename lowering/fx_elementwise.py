@@ -267,7 +267,7 @@ def _where(b: Builder, node: torch.fx.Node, c: Any, x: Any, y: Any) -> Var:
     return b.elementwise("select_n", [pred, *xs], shape, out_dt)
 
 
-@rule(aten.clamp.default)
+@rule(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(b: Builder, node: torch.fx.Node, x: Var, lo: Any = None, hi: Any = None) -> Var:
     shape, out_dt = result(node)
     v = convert(b, x, out_dt)

@@ -3,7 +3,7 @@
 only through decompositions.
 
 Elementwise: ``log1p``, ``expm1``, ``exp2``, ``reciprocal``, ``isnan``, ``isinf``, ``fmod``,
-``clamp`` with tensor bounds, ``hardtanh``, ``elu``, ``round(decimals=)``. Layout: ``repeat`` (a
+``hardtanh``, ``elu``, ``round(decimals=)``. Layout: ``repeat`` (a
 broadcast and a reshape), ``diagonal`` (a gather along the flattened pair of dims). Reductions:
 ``linalg_vector_norm`` (any ``ord``: 0, inf, -inf, 1, 2, p). They register into
 :data:`lowering.fx_common.RULES` when ``lowering.from_fx`` imports this module.
@@ -69,17 +69,6 @@ def _isinf(b: Builder, node: torch.fx.Node, x: Var) -> Var:
 def _fmod(b: Builder, node: torch.fx.Node, x: Any, y: Any) -> Var:
     """C's ``fmod``: the remainder with the dividend's sign (the card's ``rem``)."""
     return ew(b, node, "rem", x, y)
-
-
-@rule(aten.clamp.Tensor)
-def _clamp_tensor(b: Builder, node: torch.fx.Node, x: Var, lo: Any = None, hi: Any = None) -> Var:
-    shape, dt = result(node)
-    v = convert(b, x, dt)
-    if lo is not None:
-        v = ew_raw(b, "max", [v, lo], shape, dt)
-    if hi is not None:
-        v = ew_raw(b, "min", [v, hi], shape, dt)
-    return v
 
 
 @rule(aten.hardtanh.default)
