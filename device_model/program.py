@@ -27,7 +27,13 @@ from .layout import np_dtype
 from .progress import Progress
 from .steps import GatherStep
 
-__all__ = ["build_runner", "stage_program", "stage_cache_stats", "STAGED_MIN_STAGES"]
+__all__ = [
+    "build_runner",
+    "stage_program",
+    "stage_cache_stats",
+    "guard_mappings",
+    "STAGED_MIN_STAGES",
+]
 
 log = logging.getLogger("device_model")
 
@@ -61,6 +67,64 @@ def _malloc_trim() -> Callable[[], None]:
 #: compiler threads free their working memory into per-thread arenas, which would otherwise stay
 #: in the process's resident memory and grow it by some MB per program compiled
 release_free_memory = _malloc_trim()
+
+
+def _map_limit() -> int:
+    """The OS's limit on one process's memory mappings (Linux: ``vm.max_map_count``; 0 where
+    there is none to read)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            return fh.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+#: the share of the process's mapping limit the compiled card programs may take before
+#: :func:`guard_mappings` drops JAX's compiled programs (each XLA CPU program holds about six
+#: memory mappings of its code and data: some ten thousand of them reach Linux's default limit
+#: of 65530, where the next compile fails inside LLVM and the process dies)
+MAP_BUDGET = 0.5
+#: :func:`guard_mappings` reads the mapping count once per this many programs built
+MAP_CHECK_EVERY = 64
+_map_state = {"limit": -1, "built": 0, "cleared": 0}
+
+
+def guard_mappings() -> bool:
+    """Called as card programs are built: every :data:`MAP_CHECK_EVERY` of them, when the
+    process holds more than :data:`MAP_BUDGET` of its mapping limit, drop the compiled programs
+    (the stage cache and JAX's caches: ``jax.clear_caches``; each compiles again when next
+    used) and say so in the log. True when it dropped them."""
+    _map_state["built"] += 1
+    if _map_state["built"] % MAP_CHECK_EVERY:
+        return False
+    if _map_state["limit"] < 0:
+        _map_state["limit"] = _map_limit()
+    limit = _map_state["limit"]
+    if not limit:
+        return False
+    held = _mappings()
+    if held <= MAP_BUDGET * limit:
+        return False
+    _stage_cache.clear()
+    jax.clear_caches()
+    release_free_memory()
+    _map_state["cleared"] += 1
+    log.info(
+        "spyre: %d memory mappings of a limit of %d: compiled card programs dropped "
+        "(they compile again when next used); now %d",
+        held,
+        limit,
+        _mappings(),
+    )
+    return True
 
 
 def stage_cache_stats() -> dict[str, int]:
@@ -125,6 +189,7 @@ def stage_program(
         _stage_stats["compiled"] += 1
         return _stage_program(key), reads, True
     if fn is None:
+        guard_mappings()
         fn = _stage_cache[key] = _stage_program(key)
         _stage_stats["compiled"] += 1
         while len(_stage_cache) > STAGE_CACHE_SIZE:
@@ -198,6 +263,7 @@ def build_runner(kernel: Kernel) -> Callable[..., list[jax.Array]]:
     stage a jitted program cached by its signature (:func:`stage_program`): the identical layers
     of a model compile once, so compile time does not grow with depth.
     """
+    guard_mappings()
     if len(kernel.stages) <= STAGED_MIN_STAGES:
 
         def program(*args: jax.Array) -> list[jax.Array]:

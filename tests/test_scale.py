@@ -404,3 +404,25 @@ def test_a_stage_reading_a_model_input_shares_the_program_of_one_reading_an_inte
     assert len(keys) == 4 * per_layer
     first, *rest = [keys[i * per_layer : (i + 1) * per_layer] for i in range(4)]
     assert all(layer == first for layer in rest)
+
+
+def test_compiled_programs_are_dropped_before_the_process_runs_out_of_mappings(
+    fresh_card, monkeypatch
+):
+    # regression: each XLA CPU program holds some six memory mappings; a long test run (or a
+    # long-lived server) compiling thousands of kernels reached Linux's limit of 65530 and the
+    # next compile died in LLVM with a segmentation fault (CI: a crashed pytest worker)
+    x, ws = _inputs(2)
+    f = spyre_jax.jit(_layers(2))
+    want = np.asarray(f(x, ws))
+    monkeypatch.setattr(program, "MAP_CHECK_EVERY", 1)
+    monkeypatch.setattr(program, "MAP_BUDGET", 0.0)  # always over budget: drop at every build
+    before = program._map_state["cleared"]
+    assert program.guard_mappings()
+    assert program.stage_cache_stats()["cached"] == 0
+    got = spyre_jax.jit(_layers(2))(x, ws)  # compiles again and gives the same result
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(f(x, ws)), want)  # an older function still runs
+    assert program._map_state["cleared"] > before
+    monkeypatch.setattr(program, "MAP_BUDGET", 1.0)
+    assert not program.guard_mappings()

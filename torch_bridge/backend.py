@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
@@ -34,11 +35,12 @@ from device_model.runtime import runtime
 from lowering.errors import UnsupportedPrimitiveError
 from lowering.from_fx import RULES, card_dtype, from_fx, node_source, supported
 from lowering.fx_common import is_card_dtype
+from lowering.hoist import split_weight_layouts
 
 from . import rng
 from .dynamic import DynamicGraph, is_dynamic
 from .errors import InferenceOnlyError, SpyreFallbackWarning
-from .kernels import load, run_graph
+from .kernels import WeightLayouts, load, run_graph
 from .storage import from_host, to_host
 
 __all__ = [
@@ -141,17 +143,27 @@ def spyre_backend(
 def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: bool) -> Callable:
     # AOTAutograd calls us under its fake mode; constants must be read as real tensors
     with unset_fake_temporarily():
-        return _compile_forward_real(gm, strict=strict)
+        return _compile_forward_real(gm, strict=strict, weights=_weight_inputs())
 
 
-def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
+def _weight_inputs() -> tuple[int, ...]:
+    """The indices of the forward graph's inputs that are the model's parameters and buffers
+    (AOTAutograd's static inputs), or none outside a Dynamo compile."""
+    tc = TracingContext.try_get()
+    meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+    return tuple(getattr(meta, "static_input_indices", None) or ())
+
+
+def _compile_forward_real(
+    gm: torch.fx.GraphModule, *, strict: bool, weights: Sequence[int] = ()
+) -> Callable:
     states = rng.rewrite_random(gm)  # random ops draw from the card's generator, per call
     if is_dynamic(gm):  # symbolic sizes: a static kernel per concrete size, at call time
-        run = DynamicGraph(gm, functools.partial(_compile_static, strict=strict))
+        run = DynamicGraph(gm, functools.partial(_compile_static, strict=strict), weights)
         with _lock:
             _dynamic.append(weakref.ref(run))
     else:
-        run = _compile_static(gm, strict=strict)
+        run = _compile_static(gm, strict=strict, weights=weights)
 
     def forward(*args: Any) -> Any:
         if states:
@@ -161,8 +173,12 @@ def _compile_forward_real(gm: torch.fx.GraphModule, *, strict: bool) -> Callable
     return make_boxed_func(forward)
 
 
-def _compile_static(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
-    """A graph of static sizes as one card kernel, or card kernels and CPU fallbacks."""
+def _compile_static(
+    gm: torch.fx.GraphModule, *, strict: bool, weights: Sequence[int] = ()
+) -> Callable:
+    """A graph of static sizes as one card kernel, or card kernels and CPU fallbacks.
+    ``weights``: the indices of the inputs that are the model's weights (their re-layouts are
+    made once, :class:`~torch_bridge.kernels.WeightLayouts`)."""
     t0 = time.perf_counter()
     bad = [n for n in gm.graph.nodes if not supported(n)]
     if bad and strict:
@@ -174,7 +190,7 @@ def _compile_static(gm: torch.fx.GraphModule, *, strict: bool) -> Callable:
             "ATen", str(n.target), n.format_node(), node_source(n), _context(gm, n)
         )
     if not bad:
-        run = _CardGraph(gm)
+        run = _CardGraph(gm, weights)
         nk = 1
     else:
         for n in bad:
@@ -216,10 +232,22 @@ class _CardGraph:
     """A whole FX graph compiled to one card kernel; called with torch tensors.
 
     ``graph`` (the graph IR), ``kernel`` (the schedule), ``executable`` (loaded on the card),
-    :meth:`cost_analysis` and :meth:`as_text`: what :func:`compiled_kernels` lists."""
+    :meth:`cost_analysis` and :meth:`as_text`: what :func:`compiled_kernels` lists.
 
-    def __init__(self, gm: torch.fx.GraphModule):
-        self.graph = from_fx(gm, name="torch_graph")
+    With ``weights`` (the indices of the inputs that are the model's weights), the re-layouts
+    that read only weights (a convolution's kernel) are cut out into ``weight_layouts`` (a
+    :class:`~torch_bridge.kernels.WeightLayouts`: run once, while the weights stay the same),
+    and ``graph`` is the rest, run on every call."""
+
+    def __init__(self, gm: torch.fx.GraphModule, weights: Sequence[int] = ()):
+        graph = from_fx(gm, name="torch_graph")
+        split = split_weight_layouts(graph, weights) if weights else None
+        self.weight_layouts: WeightLayouts | None = None
+        self.main_args: tuple[int, ...] = ()
+        if split is not None:
+            self.weight_layouts = WeightLayouts(split.prelude, split.prelude_args)
+            self.main_args, graph = split.main_args, split.main
+        self.graph = graph
         self.executable = load(self.graph)
         self.kernel = self.executable.kernel
         self.recipe = self.executable.recipe
@@ -230,11 +258,20 @@ class _CardGraph:
         self.out_meta = [_val(o) for o in outs]
 
     def cost_analysis(self) -> dict[str, Any]:
-        """The kernel's figures (``device_model.runtime.Executable.cost_analysis``)."""
-        return self.executable.cost_analysis()
+        """The kernel's figures (``device_model.runtime.Executable.cost_analysis``): one call's.
+        Where weights are laid out once, ``weight_layouts_us`` is that kernel's simulated time
+        (paid when the weights come to the card, not per call)."""
+        res = self.executable.cost_analysis()
+        if self.weight_layouts is not None:
+            pre = self.weight_layouts.executable.cost_analysis()
+            res = {**res, "weight_layouts_us": pre["sim_time_us"]}
+        return res
 
     def as_text(self) -> str:
-        return self.executable.as_text()
+        text = self.executable.as_text()
+        if self.weight_layouts is not None:
+            text = f"{self.weight_layouts.executable.as_text()}\n{text}"
+        return text
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
         shapes_only = _shapes_only(args)
@@ -252,6 +289,9 @@ class _CardGraph:
         if self.executable.rt is not runtime():  # set_card since: load it on the new card
             self.executable = load(self.graph)
             self.kernel, self.recipe = self.executable.kernel, self.executable.recipe
+        if self.weight_layouts is not None:
+            laid = self.weight_layouts.buffers(args)
+            args = (*(args[i] for i in self.main_args), *laid)
         return run_graph(self.executable, args, self.out_meta)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,13 +67,19 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 class DynamicGraph:
     """A graph of symbolic sizes: a static card kernel per concrete size (see the module
     docstring). ``compile_static(gm)`` turns a static graph into its callable (the backend's
-    whole-graph kernel, or its partition with CPU fallbacks)."""
+    whole-graph kernel, or its partition with CPU fallbacks); it takes ``weights=``, the
+    indices of the static graph's inputs that are the model's weights, from ``weights`` (this
+    graph's, AOTAutograd's static inputs)."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, compile_static: Callable[[torch.fx.GraphModule], Any]
+        self,
+        gm: torch.fx.GraphModule,
+        compile_static: Callable[..., Any],
+        weights: Sequence[int] = (),
     ):
         self.gm = gm
         self.compile_static = compile_static
+        self.weights = frozenset(weights)
         self.kernels: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self.compiles = 0
         self._lock = threading.Lock()
@@ -104,7 +110,7 @@ class DynamicGraph:
         try:
             with self._lock:
                 if self.plan is None:
-                    self.plan = PaddedPlan(self.gm, self.compile_static)
+                    self.plan = PaddedPlan(self.gm, self.compile_static, self.weights)
                 plan = self.plan
             values = plan.bind(args)
             key = plan.key(args, values)
@@ -168,7 +174,9 @@ class DynamicGraph:
             if run is not None:
                 self.kernels.move_to_end(key)
         if run is None:
-            run = _Specialized(self.compile_static(self.specialize(args)), args)
+            keep = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            weights = tuple(j for j, i in enumerate(keep) if i in self.weights)
+            run = _Specialized(self.compile_static(self.specialize(args), weights=weights), args)
             with self._lock:
                 self.kernels[key] = run
                 self.compiles += 1

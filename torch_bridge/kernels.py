@@ -23,7 +23,7 @@ from lowering.graph import Graph
 
 from .storage import NAME, as_card_buffer, from_card_buffer, from_host, is_spyre, to_host
 
-__all__ = ["load", "run_graph", "resident_parameter", "resident_stats"]
+__all__ = ["load", "run_graph", "resident_parameter", "resident_stats", "WeightLayouts"]
 
 
 def load(graph: Graph) -> Executable:
@@ -50,11 +50,13 @@ _resident_lock = threading.Lock()
 
 
 def resident_stats() -> dict[str, int]:
-    """How many CPU parameters are resident on the current card and their bytes there
-    (copies on an earlier card, before ``set_card``, are not counted)."""
+    """How many CPU parameters are resident on the current card and their bytes there, the
+    weights laid out once by :class:`WeightLayouts` included (copies on an earlier card, before
+    ``set_card``, are not counted)."""
     rt = runtime()
     with _resident_lock:
         live = [e.buf for e in _resident.values() if e.buf.alive and e.buf.rt is rt]
+        live += [b for w in list(_laid_out) for b in w.bufs if b.alive and b.rt is rt]
     return {"parameters": len(live), "bytes": sum(b.nbytes for b in live)}
 
 
@@ -98,6 +100,62 @@ def resident_parameter(p: torch.Tensor, layout: TensorLayout) -> DeviceBuffer:
     return buf
 
 
+#: every WeightLayouts holding laid-out weights (for resident_stats), weakly
+_laid_out: weakref.WeakSet = weakref.WeakSet()
+
+
+class WeightLayouts:
+    """The prelude of a graph split by ``lowering.hoist.split_weight_layouts``: its kernel and
+    the laid-out weights it made, kept in device memory while the weights it read are the same
+    tensors (identity and version counter) on the same card, and made again otherwise.
+
+    The weights it reads go in for its one launch (spyre tensors in place, CPU ones copied in
+    and freed after): after it only the laid-out copies stay on the card."""
+
+    def __init__(self, graph: Graph, args: Sequence[int]):
+        self.graph = graph
+        self.args = tuple(args)
+        self.executable = load(graph)
+        self.key: tuple = ()
+        self.bufs: tuple[DeviceBuffer, ...] = ()
+        self.refs: tuple[weakref.ref, ...] = ()
+        self.runs = 0
+        with _resident_lock:
+            _laid_out.add(self)
+
+    def buffers(self, args: Sequence[Any]) -> tuple[DeviceBuffer, ...]:
+        """The laid-out weights for ``args`` (the whole graph's arguments)."""
+        ws = [args[i] for i in self.args]
+        rt = runtime()
+        key = (rt, *((id(w), getattr(w, "_version", 0)) for w in ws))
+        if (
+            key == self.key
+            and all(r() is w for r, w in zip(self.refs, ws, strict=True))
+            and all(b.alive for b in self.bufs)
+        ):
+            return self.bufs
+        if self.executable.rt is not rt:  # set_card since
+            self.executable = load(self.graph)
+        temps: list[DeviceBuffer] = []
+        leaves: list[Any] = []
+        try:
+            for w in ws:
+                if is_spyre(w):
+                    temps.append(as_card_buffer(w))
+                    leaves.append(temps[-1])
+                else:
+                    leaves.append(to_host(w))
+            outs = tuple(launch(self.executable, leaves))
+        finally:
+            for b in temps:
+                b.delete()
+        for b in self.bufs:
+            b.delete()
+        self.bufs, self.key, self.runs = outs, key, self.runs + 1
+        self.refs = tuple(weakref.ref(w) for w in ws)
+        return outs
+
+
 def run_graph(exe: Executable, args: Sequence[Any], out_meta: Sequence[Any]) -> tuple:
     """Launch ``exe`` with torch tensors (spyre or CPU) and numbers; each result as a spyre
     tensor where its ``out_meta`` is on spyre, else as a CPU tensor. CPU parameters
@@ -107,7 +165,9 @@ def run_graph(exe: Executable, args: Sequence[Any], out_meta: Sequence[Any]) -> 
     leaves: list[Any] = []
     try:
         for i, a in enumerate(args):
-            if is_spyre(a):
+            if type(a) is DeviceBuffer:  # a laid-out weight (WeightLayouts), used in place
+                leaves.append(a)
+            elif is_spyre(a):
                 b = as_card_buffer(a)
                 temps.append(b)
                 leaves.append(b)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import sympy
@@ -105,9 +105,15 @@ class PaddedPlan:
     the size expressions the card needs at run time, and a bucketed kernel per bucket key
     (compiled by ``compile_static`` from the padded static graph)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compile_static: Callable[[Any], Any]):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        compile_static: Callable[..., Any],
+        weights: Collection[int] = (),
+    ):
         self.gm = gm
         self.compile_static = compile_static
+        self.weights = frozenset(weights)  # the indices of gm's inputs that are weights
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.binders: dict[sympy.Symbol, tuple[int, int | None]] = {}
         for i, n in enumerate(self.placeholders):
@@ -242,7 +248,8 @@ class _BucketKernel:
         fold_constants(static)
         static.recompile()
         self.static_gm = static
-        self.run = plan.compile_static(static)
+        weights = tuple(j for j, i in enumerate(self.tensor_ix) if i in plan.weights)
+        self.run = plan.compile_static(static, weights=weights)
         self.last: dict[str, int] = {"padding_bytes": 0, "padding_flops": 0}
 
     def shape(self, v: torch.Tensor) -> list[int]:
