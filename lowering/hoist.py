@@ -16,14 +16,18 @@ graphs, or None when nothing is worth hoisting.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from device_model.layout import np_dtype
 
 from .graph import Graph, Node, Var
 from .matmul_passes import nt_matmul
 from .passes import dce
 
-__all__ = ["Split", "split_weight_layouts", "HOISTABLE"]
+__all__ = ["Split", "split_weight_layouts", "HOISTABLE", "host_computable", "run_on_host"]
 
 #: ops that move or convert data and may run in the prelude (no broadcast: it would store more)
 HOISTABLE = frozenset({"transpose", "reshape", "convert", "slice", "concatenate"})
@@ -112,3 +116,44 @@ def split_weight_layouts(g: Graph, weights: Collection[int]) -> Split | None:
         main.consts,
     )
     return Split(prelude, prelude_args, main, main_args)
+
+
+_FLOATS = frozenset({"float16", "bfloat16", "float32"})
+
+
+def host_computable(g: Graph) -> bool:
+    """Whether :func:`run_on_host` gives ``g``'s results exactly as the card does: data
+    movement only, and converts between float dtypes (rounded to nearest even either way)."""
+    return all(
+        n.op in HOISTABLE
+        and (n.op != "convert" or (n.inputs[0].dtype in _FLOATS and n.out.dtype in _FLOATS))
+        for n in g.nodes
+    )
+
+
+def run_on_host(g: Graph, args: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``g`` (a prelude: :func:`host_computable`) evaluated with NumPy on the host: what a
+    compiler does to constant weights as it copies them to the card (no card time, and no
+    padded copy of the weights in device memory while they are re-laid out)."""
+    env: dict[int, np.ndarray] = {
+        v.id: np.asarray(a).reshape(v.shape) for v, a in zip(g.inputs, args, strict=True)
+    }
+    for n in g.nodes:
+        x = [env[v.id] for v in n.inputs]
+        p = n.params
+        if n.op == "transpose":
+            y = np.transpose(x[0], p.perm)
+        elif n.op == "reshape":
+            y = x[0].reshape(n.out.shape)
+        elif n.op == "convert":
+            y = x[0].astype(np_dtype(n.out.dtype))
+        elif n.op == "slice":
+            y = x[0][
+                tuple(slice(a, b, c) for a, b, c in zip(p.starts, p.limits, p.strides, strict=True))
+            ]
+        elif n.op == "concatenate":
+            y = np.concatenate(x, axis=p.axis)
+        else:  # pragma: no cover - host_computable says which ops come here
+            raise ValueError(f"run_on_host: op {n.op!r} is not data movement")
+        env[n.out.id] = np.ascontiguousarray(y, dtype=np_dtype(n.out.dtype))
+    return [env[v.id] for v in g.outputs]

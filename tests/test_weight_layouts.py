@@ -4,6 +4,7 @@ call; results equal the unsplit kernel's bit for bit (it is data movement only).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -89,6 +90,7 @@ def test_a_cnn_lays_its_weights_out_once_and_again_after_they_change():
         torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
         (k,) = tb.compiled_kernels()
         assert k.weight_layouts is not None and k.weight_layouts.runs == 1
+        assert k.weight_layouts.card_runs == 0  # CPU weights: laid out on the host
         assert k.cost_analysis()["weight_layouts_us"] > 0
         c(x)
         assert k.weight_layouts.runs == 1
@@ -99,9 +101,10 @@ def test_a_cnn_lays_its_weights_out_once_and_again_after_they_change():
         assert resident_stats()["bytes"] == before  # the old copies went
 
 
-def test_the_split_kernel_is_faster_and_bit_equal_to_the_unsplit_one():
-    m = _cnn()
-    x = torch.randn(1, 3, 16, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_split_kernel_is_faster_and_bit_equal_to_the_unsplit_one(dtype):
+    m = _cnn().to(dtype)
+    x = torch.randn(1, 3, 16, 16).to(dtype)
     gm, weights, ins = _captured(m, x)
     assert weights and len(weights) == len(ins) - 1  # the parameters and buffers, not x
     whole, split = tb._CardGraph(gm), tb._CardGraph(gm, weights)
@@ -114,6 +117,19 @@ def test_the_split_kernel_is_faster_and_bit_equal_to_the_unsplit_one():
     assert t_split < t_whole
 
 
+def test_a_card_that_rounds_stores_to_dl16_lays_weights_out_on_the_card(small_card):
+    small_card(dl16_rounding=True)
+    m = _cnn().half()
+    x = torch.randn(1, 3, 16, 16).half()
+    gm, weights, ins = _captured(m, x)
+    whole, split = tb._CardGraph(gm), tb._CardGraph(gm, weights)
+    with torch.no_grad():
+        a, b = whole(*ins), split(*ins)
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p, q)
+    assert split.weight_layouts.card_runs == 1
+
+
 def test_weights_on_the_spyre_device():
     m = _cnn()
     x = torch.randn(2, 3, 16, 16)
@@ -123,5 +139,5 @@ def test_weights_on_the_spyre_device():
         tb.reset_fallback_stats()
         got = torch.compile(md, backend="spyre")(x.to("spyre"))
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
-    assert [k.weight_layouts.runs for k in tb.compiled_kernels()] == [1]
+    assert [k.weight_layouts.card_runs for k in tb.compiled_kernels()] == [1]
     assert not tb.fallback_stats()

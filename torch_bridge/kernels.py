@@ -18,7 +18,7 @@ import torch
 from device_model.hostprog import LoadedProgram
 from device_model.layout import TensorLayout
 from device_model.runtime import DeviceBuffer, Executable, copy_in, copy_out, launch, runtime
-from lowering import loading
+from lowering import hoist, loading
 from lowering.graph import Graph
 
 from .storage import NAME, as_card_buffer, from_card_buffer, from_host, is_spyre, to_host
@@ -109,13 +109,19 @@ class WeightLayouts:
     the laid-out weights it made, kept in device memory while the weights it read are the same
     tensors (identity and version counter) on the same card, and made again otherwise.
 
-    The weights it reads go in for its one launch (spyre tensors in place, CPU ones copied in
-    and freed after): after it only the laid-out copies stay on the card."""
+    Weights on the spyre device are re-laid out by its kernel, on the card (``card_runs``
+    counts those runs); CPU weights by NumPy as they are copied in, where that gives the same
+    bytes (:func:`lowering.hoist.host_computable`), as a compiler packs constant weights. Either
+    way only the laid-out copies stay in device memory."""
 
     def __init__(self, graph: Graph, args: Sequence[int]):
         self.graph = graph
         self.args = tuple(args)
         self.executable = load(graph)
+        #: CPU weights are re-laid out on the host where NumPy gives the card's bytes (data
+        #: movement and float converts, and a card that does not round stores to DL16)
+        self.host_computable = hoist.host_computable(graph)
+        self.card_runs = 0
         self.key: tuple = ()
         self.bufs: tuple[DeviceBuffer, ...] = ()
         self.refs: tuple[weakref.ref, ...] = ()
@@ -136,6 +142,28 @@ class WeightLayouts:
             return self.bufs
         if self.executable.rt is not rt:  # set_card since
             self.executable = load(self.graph)
+        on_host = self.host_computable and not rt.card.dl16_rounding
+        if on_host and not any(is_spyre(w) for w in ws):
+            outs = self._on_host(ws, rt)
+        else:
+            outs = self._on_card(ws)
+        for b in self.bufs:
+            b.delete()
+        self.bufs, self.key, self.runs = outs, key, self.runs + 1
+        self.refs = tuple(weakref.ref(w) for w in ws)
+        return outs
+
+    def _on_host(self, ws: Sequence[Any], rt: Any) -> tuple[DeviceBuffer, ...]:
+        """CPU weights: re-laid out by NumPy as they are copied in (no card time, and no padded
+        copy of them in device memory on the way)."""
+        laid = hoist.run_on_host(self.graph, [to_host(w) for w in ws])
+        return tuple(
+            copy_in(a, lay, rt=rt, tag="parameter", alias=True)
+            for a, lay in zip(laid, self.executable.out_layouts, strict=True)
+        )
+
+    def _on_card(self, ws: Sequence[Any]) -> tuple[DeviceBuffer, ...]:
+        self.card_runs += 1
         temps: list[DeviceBuffer] = []
         leaves: list[Any] = []
         try:
@@ -145,15 +173,10 @@ class WeightLayouts:
                     leaves.append(temps[-1])
                 else:
                     leaves.append(to_host(w))
-            outs = tuple(launch(self.executable, leaves))
+            return tuple(launch(self.executable, leaves))
         finally:
             for b in temps:
                 b.delete()
-        for b in self.bufs:
-            b.delete()
-        self.bufs, self.key, self.runs = outs, key, self.runs + 1
-        self.refs = tuple(weakref.ref(w) for w in ws)
-        return outs
 
 
 def run_graph(exe: Executable, args: Sequence[Any], out_meta: Sequence[Any]) -> tuple:

@@ -324,6 +324,8 @@ def run_one(name: str, *, layers: int | None, tiny: bool, seq: int, reps: int) -
     g, w = got.double().flatten(), want.double().flatten()
     res.update(
         sim_prefill_us=sum(c["sim_time_us"] for c in costs),
+        # weights re-laid out once for their matmuls (a convolution's kernel), not per call
+        weight_layouts_us=sum(c.get("weight_layouts_us", 0.0) for c in costs),
         kernels=len(costs),
         scratchpad_peak_bytes=max((c["scratchpad_peak_bytes"] for c in costs), default=0),
         device_memory_peak_bytes=runtime().memory.stats()["peak_bytes_in_use"],
