@@ -60,6 +60,7 @@ from .storage import (
     wait_all,
 )
 from .storage import device as spyre_device
+from .view_writes import fill_on_card, write_on_card
 
 __all__ = [
     "NAME",
@@ -144,7 +145,7 @@ def _k_copy_from(self: torch.Tensor, dst: torch.Tensor, non_blocking: bool = Fal
     """``dst.copy_(self)`` where either is on spyre: host<->device copies and device copies,
     with torch's broadcasting and dtype conversion."""
     if is_spyre(dst) and is_spyre(self):
-        if not copy_on_card(dst, self):
+        if not copy_on_card(dst, self) and not write_on_card(dst, self):
             alias(dst).copy_(alias(self))
             device_step("copy", dst, [self])
     elif is_spyre(dst):
@@ -170,6 +171,8 @@ def _k_local_scalar_dense(self: torch.Tensor) -> Any:
 
 
 def _k_fill_scalar(self: torch.Tensor, value: Any) -> torch.Tensor:
+    if fill_on_card(self, value):
+        return self
     alias(self).fill_(value)
     device_step("fill", self)
     return self

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import storage as st
+from .view_writes import write_on_card
 
 aten = torch.ops.aten
 
@@ -100,7 +101,7 @@ def write_back(op: Any, written: list, results: list) -> Any:
                     f"{list(r.shape)}"
                 )
             dst.resize_(r.shape)
-        if not st.copy_on_card(dst, r):
+        if not st.copy_on_card(dst, r) and not write_on_card(dst, r):
             st.alias(dst).copy_(st.alias(r))
             st.device_step("copy", dst, [r])
     ts = [d for d, _ in written]
