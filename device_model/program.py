@@ -9,6 +9,7 @@ so that the identical layers of a model compile once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -94,7 +95,7 @@ def _mappings() -> int:
 MAP_BUDGET = 0.5
 #: :func:`guard_mappings` reads the mapping count once per this many programs built
 MAP_CHECK_EVERY = 64
-_map_state = {"limit": -1, "built": 0, "cleared": 0}
+_map_state = {"limit": -1, "built": 0, "cleared": 0, "floor": 0}
 
 
 def guard_mappings() -> bool:
@@ -111,18 +112,22 @@ def guard_mappings() -> bool:
     if not limit:
         return False
     held = _mappings()
-    if held <= MAP_BUDGET * limit:
+    if held <= max(MAP_BUDGET * limit, _map_state["floor"]):
         return False
     _stage_cache.clear()
     jax.clear_caches()
     release_free_memory()
     _map_state["cleared"] += 1
+    after = _mappings()
+    # what the drop could not free (other libraries' mappings) is not the card's to free: the
+    # next drop waits until the programs built since hold half of what is left
+    _map_state["floor"] = after + (limit - after) // 2
     log.info(
         "spyre: %d memory mappings of a limit of %d: compiled card programs dropped "
         "(they compile again when next used); now %d",
         held,
         limit,
-        _mappings(),
+        after,
     )
     return True
 
@@ -195,7 +200,8 @@ def stage_program(
         while len(_stage_cache) > STAGE_CACHE_SIZE:
             _stage_cache.popitem(last=False)
         return fn, reads, True
-    _stage_cache.move_to_end(key)
+    with contextlib.suppress(KeyError):  # guard_mappings may have emptied the cache since
+        _stage_cache.move_to_end(key)
     _stage_stats["reused"] += 1
     return fn, reads, False
 

@@ -418,6 +418,14 @@ def _embedding(b: Builder, node: torch.fx.Node, w: Var, idx: Var, *a: Any, **kw:
 @rule(aten.index_select.default)
 def _index_select(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var) -> Var:
     shape, dt = result(node)
+    if not x.shape:  # a 0-d tensor: its one element (the index can only be 0), as a [1]
+        if math.prod(idx.shape) != 1:
+            raise LoweringError(
+                f"index_select(): Index to scalar can have only 1 value, got "
+                f"{math.prod(idx.shape)} value(s)"
+            )
+        x = b.reshape(x, (1,))
+        dim = 0
     d = norm_dim(dim, len(x.shape))
     perm = (d, *[i for i in range(len(x.shape)) if i != d])
     xt = b.transpose(x, perm)
@@ -432,7 +440,8 @@ def _index_select(b: Builder, node: torch.fx.Node, x: Var, dim: int, idx: Var) -
     )
     g = b.reshape(g, (flat.shape[0], *xt.shape[1:]))
     inv = tuple(int(i) for i in np.argsort(perm))
-    return b.transpose(g, inv)
+    out = b.transpose(g, inv)
+    return out if out.shape == tuple(shape) else b.reshape(out, tuple(shape))
 
 
 def _indexable(node: torch.fx.Node) -> bool:

@@ -381,6 +381,8 @@ def test_transformer_models_on_the_spyre_device(name, dtype):
         ("rank0_out", lambda a, b: (a - b).abs().amax()),
         ("bitwise_int", lambda a, b: (~(a * 9).int() & (b * 9).int()) | 3),
         ("shifts", lambda a, b: ((a * 99).int() << 3) + ((b * 999).int() >> (a.abs() * 9).int())),
+        # a 0-d tensor's index_select (the rule indexed its missing dim 0: IndexError)
+        ("index_select_0d", lambda a, b: torch.index_select(a[1, 2], 0, torch.zeros(1).long())),
     ],
 )
 def test_opinfo_regressions(name, fn):

@@ -86,3 +86,17 @@ def test_top_p_warper_stays_on_the_card():
     got = TopPLogitsWarper(0.9)(ids.to("spyre"), s)
     assert _on_card(got)
     torch.testing.assert_close(got.cpu(), want)
+
+
+def test_a_view_of_a_base_given_new_storage_and_a_fill_out_of_range():
+    c, s = _pair()
+    v = s[:, 1:2]
+    s.data = torch.zeros(2, 3, 40).to("spyre") * 1.0  # v still sees the old storage
+    v[...] = 5.0
+    assert float(s.sum().cpu()) == 0.0
+    assert float(v.sum().cpu()) == 5.0 * v.numel()
+    h = s.half()[:, 1:]
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.zeros(3, dtype=torch.float16)[1:].fill_(1e6)  # torch's own error ...
+    with pytest.raises(RuntimeError, match="overflow"):
+        h.fill_(1e6)  # ... on the card too

@@ -141,3 +141,20 @@ def test_weights_on_the_spyre_device():
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
     assert [k.weight_layouts.card_runs for k in tb.compiled_kernels()] == [1]
     assert not tb.fallback_stats()
+
+
+def test_weights_replaced_through_data_or_made_in_inference_mode():
+    m = _cnn()
+    x = torch.randn(1, 3, 16, 16)
+    tb.reset_fallback_stats()
+    with torch.no_grad():
+        c = torch.compile(m, backend="spyre")
+        c(x)
+        (k,) = tb.compiled_kernels()
+        m[2].weight.data = torch.randn_like(m[2].weight)  # same tensor and version counter
+        torch.testing.assert_close(c(x), m(x), rtol=1e-4, atol=1e-5)
+        assert k.weight_layouts.runs == 2
+    with torch.inference_mode():  # inference tensors have no version counter
+        mi = _cnn()
+        got = torch.compile(mi, backend="spyre")(x)
+        torch.testing.assert_close(got, mi(x), rtol=1e-4, atol=1e-5)

@@ -84,7 +84,7 @@ def resident_parameter(p: torch.Tensor, layout: TensorLayout) -> DeviceBuffer:
     if (
         e is not None
         and e.ref() is p
-        and e.version == p._version
+        and e.version == _version(p)
         and e.ptr == p.data_ptr()
         and e.buf.rt is rt
         and e.buf.alive
@@ -94,10 +94,31 @@ def resident_parameter(p: torch.Tensor, layout: TensorLayout) -> DeviceBuffer:
     ref = weakref.ref(p, lambda _r, key=key: _forget(key))
     with _resident_lock:
         old = _resident.get(key)
-        _resident[key] = _Resident(ref, p.data_ptr(), p._version, buf)
+        _resident[key] = _Resident(ref, p.data_ptr(), _version(p), buf)
     if old is not None and old.buf is not buf:
         old.buf.delete()
     return buf
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter; 0 for an inference tensor, which keeps none (it cannot change
+    outside ``torch.inference_mode``)."""
+    return 0 if t.is_inference() else t._version
+
+
+def _identity(w: torch.Tensor) -> tuple:
+    """What says a weight is the same as when it was laid out: the tensor, its storage (``p.data
+    = t`` keeps the tensor and its version counter), where it sits in it, and its version
+    counter (an in-place change; an inference tensor has none). A write through ``p.data``
+    moves a counter of its own: after ``p.data.mul_(...)`` call ``torch._dynamo.reset()``."""
+    return (
+        id(w),
+        w.untyped_storage().data_ptr(),
+        w.storage_offset(),
+        tuple(w.shape),
+        w.stride(),
+        _version(w),
+    )
 
 
 #: every WeightLayouts holding laid-out weights (for resident_stats), weakly
@@ -133,7 +154,7 @@ class WeightLayouts:
         """The laid-out weights for ``args`` (the whole graph's arguments)."""
         ws = [args[i] for i in self.args]
         rt = runtime()
-        key = (rt, *((id(w), getattr(w, "_version", 0)) for w in ws))
+        key = (rt, *(_identity(w) for w in ws))
         if (
             key == self.key
             and all(r() is w for r, w in zip(self.refs, ws, strict=True))

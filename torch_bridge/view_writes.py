@@ -37,6 +37,8 @@ def _slice_of(dst: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     base = dst._base
     if base is None or not _whole(base) or base.dim() != dst.dim() or dst.dtype != base.dtype:
         return None
+    if base.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr():
+        return None  # base given other storage since (set_, .data =): dst is not in it
     if dst.stride() != base.stride():
         return None
     diff = [d for d in range(dst.dim()) if dst.shape[d] != base.shape[d]]
@@ -79,4 +81,5 @@ def fill_on_card(dst: torch.Tensor, value: object) -> bool:
         return False
     if st.region(dst).pending is None or _slice_of(dst) is None:
         return False
-    return write_on_card(dst, torch.tensor(value, dtype=dst.dtype).to(dst.device))
+    # torch's own fill_ on the host makes the value: its range check and rounding
+    return write_on_card(dst, torch.empty((), dtype=dst.dtype).fill_(value).to(dst.device))
