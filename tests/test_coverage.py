@@ -83,6 +83,22 @@ def test_ties_of_an_unstable_sort_may_come_in_any_order():
     assert not coverage_torch._ties_only(op, stable, ours, want)
 
 
+def test_harness_compares_complex_and_sparse_and_keeps_cpu_only_arguments():
+    """Regressions: the harness's own determinism check raised on ComplexHalf (no nan_to_num
+    kernel) and sparse outputs (no equal kernel), and moved tensor_split's index tensor to
+    spyre, which torch refuses (as on CUDA): errors of the tool, counted against the card."""
+    c = torch.tensor([1 + 2j, float("nan") + 0j], dtype=torch.complex32)
+    assert coverage_torch._same_torch(c, c.clone())
+    assert not coverage_torch._same_torch(c, c * 2)
+    sp = torch.eye(3).to_sparse()
+    assert coverage_torch._same_torch(sp, torch.eye(3).to_sparse())
+    assert not coverage_torch._same_torch(sp, (2 * torch.eye(3)).to_sparse())
+    res = coverage_torch.coverage_torch(ops=["tensor_split", "to_sparse"], paths=("device",))
+    ts, sp_row = res["ops"]["tensor_split"]["device"], res["ops"]["to_sparse"]["device"]
+    assert ts["passed"] > 0 and ts["error"] == 0, ts
+    assert sp_row["error"] == 0 and sp_row["unsupported"] > 0, sp_row  # sparse: refused, named
+
+
 def test_torch_checks_random_ops_statistically_and_skips_uninitialized_ones():
     res = coverage_torch.coverage_torch(
         ops=["bernoulli", "nn.functional.dropout2d", "empty_like"], limit_samples=2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SpyreFallbackWarning", "InferenceOnlyError"]
+__all__ = ["SpyreFallbackWarning", "InferenceOnlyError", "UnsupportedLayoutError"]
 
 
 class SpyreFallbackWarning(UserWarning):
@@ -11,3 +11,9 @@ class SpyreFallbackWarning(UserWarning):
 
 class InferenceOnlyError(RuntimeError):
     """The spyre backend compiles inference graphs only (no autograd)."""
+
+
+class UnsupportedLayoutError(TypeError):
+    """A result of a layout the ``spyre`` device does not hold (sparse, ...): it holds strided
+    (dense) tensors only, as it holds only the card's dtypes (an unsupported dtype is a
+    ``TypeError`` too)."""

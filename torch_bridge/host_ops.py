@@ -12,6 +12,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from . import storage as st
+from .errors import UnsupportedLayoutError
 from .host_kernels import host_kernel
 
 __all__ = ["run_on_host"]
@@ -68,6 +69,11 @@ def run_on_host(op: Any, args: tuple, kwargs: dict) -> Any:
             s = stand_in.get(id(r))
             if s is not None:
                 return s
+            if r.layout != torch.strided:
+                raise UnsupportedLayoutError(
+                    f"spyre: {op} gives a {r.layout} tensor; the spyre device holds strided "
+                    f"(dense) tensors only: call it on a CPU tensor (x.cpu())"
+                )
             return st.new_from_cpu(r)
         return r
 

@@ -156,6 +156,8 @@ def classify(e: BaseException) -> tuple[str, str, str]:
             m = re.search(r"dtype (?:torch\.)?([A-Za-z0-9_]+)", str(x))
             key = f"dtype {m.group(1)}" if m else "dtype"
             return "unsupported", key, first_line(x)
+        if type(x).__name__ == "UnsupportedLayoutError":  # torch_bridge.errors': no torch here
+            return "unsupported", "layout", first_line(x)
         if isinstance(x, TilingError):
             return "unsupported", "TilingError", first_line(x)
         if isinstance(x, LoweringError):

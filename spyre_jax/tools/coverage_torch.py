@@ -167,9 +167,10 @@ def _same_torch(a: Any, b: Any) -> bool:
         if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
             return False
         if isinstance(x, torch.Tensor):
-            if x.shape != y.shape or x.dtype != y.dtype:
+            if x.shape != y.shape or x.dtype != y.dtype or x.layout != y.layout:
                 return False
-            if x.is_floating_point() or x.is_complex():
+            x, y = _comparable(x), _comparable(y)
+            if x.is_floating_point():
                 if not torch.equal(torch.nan_to_num(x), torch.nan_to_num(y)):
                     return False
                 if not torch.equal(x.isnan(), y.isnan()):
@@ -183,6 +184,16 @@ def _same_torch(a: Any, b: Any) -> bool:
             except Exception:
                 return False
     return True
+
+
+def _comparable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor torch's comparisons take: a sparse one dense, a complex one as its real and
+    imaginary parts (``nan_to_num`` has no ComplexHalf kernel, ``equal`` no sparse one)."""
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj().to(torch.complex64))
+    return t
 
 
 def _to_np(t: Any) -> np.ndarray:
@@ -357,6 +368,11 @@ def _run_backend(op: Any, sample: Any) -> tuple[Any, bool]:
 _FALLBACK_OP = re.compile(r"ATen op (\S+)")
 
 
+#: OpInfo name -> positions of its arguments that torch takes on the CPU only (as on CUDA):
+#: they stay there when the sample's other tensors move to spyre
+HOST_ARGS: dict[str, tuple[int, ...]] = {"tensor_split": (0,)}
+
+
 def _run_device(op: Any, sample: Any) -> tuple[Any, list[str]]:
     """The sample with its tensors on ``spyre``, eagerly: (output on the CPU, the ATen ops that
     fell back to the CPU)."""
@@ -368,6 +384,8 @@ def _run_device(op: Any, sample: Any) -> tuple[Any, list[str]]:
         return v.cpu() if isinstance(v, torch.Tensor) and v.device.type != "cpu" else v
 
     inp, args, kwargs = tree_map(put, (sample.input, sample.args, sample.kwargs))
+    host = HOST_ARGS.get(op.name, ())
+    args = tuple(sample.args[i] if i in host else a for i, a in enumerate(args))
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = tree_map(get, op.op(inp, *args, **kwargs))
