@@ -214,6 +214,7 @@ def test_bench_eager_json(capsys):
     d = r["decoding"]
     assert set(d) == {"greedy", "sample", "beam3"}
     assert all(v["fallbacks"] == 0 and v["card_ms_per_token"] > 0 for v in d.values())
+    assert all(v["rounds"] == 1 for v in d.values())  # --reps rounds of the strategies in turn
     assert d["beam3"]["tokens_equal_cpu"] and d["greedy"]["tokens_equal_cpu"]
 
 

@@ -14,8 +14,9 @@ Two figures, each measured side by side with eager CPU in the same run:
 * the decoding strategies on the device for the same model: greedy, sampling (``top_k`` 50,
   ``top_p`` 0.9, temperature 0.8: ``torch.sort``, ``topk``, ``scatter``, ``multinomial`` and the
   card's random numbers) and beam search (3 beams: ``topk``, ``floor_divide``): the steady wall
-  per token (the median of three warm calls) beside greedy's and eager CPU's, the CPU fallbacks,
-  and whether beam search's tokens equal the CPU's.
+  per token (the median of the warm calls) beside greedy's and eager CPU's, the CPU fallbacks,
+  and whether beam search's tokens equal the CPU's. The strategies run in turn, round after
+  round (``reps`` rounds), so that the ratios to greedy are measured side by side.
 """
 
 from __future__ import annotations
@@ -134,19 +135,19 @@ STRATEGIES = {
 }
 
 
-def _per_token(model: Any, ids: torch.Tensor, n: int, kw: dict[str, Any]) -> tuple[Any, float]:
-    def run() -> tuple[torch.Tensor, float]:
-        torch.manual_seed(0)
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
-        return out.cpu(), (time.perf_counter() - t) / n
-
-    run()  # warm: kernels compile
-    runs = [run() for _ in range(3)]
-    return runs[0][0], statistics.median(r[1] for r in runs)
+def _generate_once(model: Any, ids: torch.Tensor, n: int, kw: dict[str, Any]) -> tuple[Any, float]:
+    """One ``generate()`` of ``n`` tokens from the same seed: (the tokens, seconds a token)."""
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **kw)
+    return out.cpu(), (time.perf_counter() - t) / n
 
 
-def _decoding_costs(prompt: int, tokens: int) -> dict[str, dict[str, Any]]:
+def _decoding_costs(prompt: int, tokens: int, rounds: int = 5) -> dict[str, dict[str, Any]]:
+    """Each strategy warmed once (its kernels compile), then ``rounds`` rounds in which every
+    strategy runs once on the CPU and once on the device, in turn: the median per token of each.
+    Interleaved, a drift of the machine's speed (another process, a thermal step) reaches every
+    strategy alike, so the ratios to greedy hold better than timing strategy after strategy."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -157,20 +158,34 @@ def _decoding_costs(prompt: int, tokens: int) -> dict[str, dict[str, Any]]:
     card.to("spyre")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cpu.config.vocab_size, (1, prompt), generator=g)
-    res: dict[str, dict[str, Any]] = {}
+    sids = ids.to("spyre")
+    times: dict[str, dict[str, list[float]]] = {k: {"cpu": [], "card": []} for k in STRATEGIES}
+    outs: dict[str, dict[str, Any]] = {k: {} for k in STRATEGIES}
+    falls: dict[str, int] = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, kw in STRATEGIES.items():
-            want, cpu_s = _per_token(cpu, ids, tokens, kw)
+        for name, kw in STRATEGIES.items():  # warm: kernels compile; fallbacks counted
+            outs[name]["cpu"] = _generate_once(cpu, ids, tokens, kw)[0]
             dev.reset_stats()
-            got, card_s = _per_token(card, ids.to("spyre"), tokens, kw)
-            res[name] = {
-                "cpu_ms_per_token": cpu_s * 1e3,
-                "card_ms_per_token": card_s * 1e3,
-                "card_over_cpu": card_s / cpu_s,
-                "fallbacks": sum(dev.fallback_stats().values()),
-                "tokens_equal_cpu": bool(torch.equal(got, want)) if name != "sample" else None,
-            }
+            outs[name]["card"] = _generate_once(card, sids, tokens, kw)[0]
+            falls[name] = sum(dev.fallback_stats().values())
+        for _ in range(rounds):
+            for name, kw in STRATEGIES.items():
+                times[name]["cpu"].append(_generate_once(cpu, ids, tokens, kw)[1])
+                times[name]["card"].append(_generate_once(card, sids, tokens, kw)[1])
+    res: dict[str, dict[str, Any]] = {}
+    for name in STRATEGIES:
+        cpu_s = statistics.median(times[name]["cpu"])
+        card_s = statistics.median(times[name]["card"])
+        got, want = outs[name]["card"], outs[name]["cpu"]
+        res[name] = {
+            "cpu_ms_per_token": cpu_s * 1e3,
+            "card_ms_per_token": card_s * 1e3,
+            "card_over_cpu": card_s / cpu_s,
+            "fallbacks": falls[name],
+            "tokens_equal_cpu": bool(torch.equal(got, want)) if name != "sample" else None,
+            "rounds": rounds,
+        }
     for r in res.values():
         r["over_greedy"] = r["card_ms_per_token"] / res["greedy"]["card_ms_per_token"]
         r["cpu_over_greedy"] = r["cpu_ms_per_token"] / res["greedy"]["cpu_ms_per_token"]
@@ -183,7 +198,7 @@ def bench_eager(*, reps: int = 5, prompt: int = 8, tokens: int = 24) -> dict[str
     return {
         "op": _op_costs(reps),
         "generate": _generate_costs(prompt, tokens),
-        "decoding": _decoding_costs(prompt, tokens),
+        "decoding": _decoding_costs(prompt, tokens, rounds=max(reps, 1)),
     }
 
 
