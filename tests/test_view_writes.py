@@ -100,3 +100,15 @@ def test_a_view_of_a_base_given_new_storage_and_a_fill_out_of_range():
         torch.zeros(3, dtype=torch.float16)[1:].fill_(1e6)  # torch's own error ...
     with pytest.raises(RuntimeError, match="overflow"):
         h.fill_(1e6)  # ... on the card too
+
+
+def test_sparse_tensors_are_refused_with_a_type_error_naming_the_op():
+    # regression (coverage torch): a sparse tensor moved to spyre reached PyTorch's dispatcher
+    # (NotImplementedError for SparseCsrspyre), and a sparse result crashed in copy_()
+    from torch_bridge.errors import UnsupportedLayoutError
+
+    csr = torch.eye(3).to_sparse_csr().to("spyre")
+    with pytest.raises(UnsupportedLayoutError, match="sparse"):
+        torch.sparse.mm(csr, torch.ones(3, 2).to("spyre"))
+    with pytest.raises(UnsupportedLayoutError, match="_to_sparse"):
+        torch.ones(3, 3).to("spyre").to_sparse()

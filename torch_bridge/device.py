@@ -41,6 +41,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 from device_model import runtime as card_runtime
 
 from . import attention, eager, overrideable, rng
+from .errors import UnsupportedLayoutError
 from .host_ops import write_out
 from .storage import (
     CPU_KEYS,
@@ -390,6 +391,16 @@ def _make_hooks() -> Any:
 _libs: list[Any] = []
 
 
+def _refuse_sparse(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every op on a sparse tensor on spyre (``x.to_sparse_csr().to("spyre")`` makes one: its
+    index and value tensors are dense): a TypeError naming the op, as for a dtype the card does
+    not have, instead of the dispatcher's NotImplementedError."""
+    raise UnsupportedLayoutError(
+        f"spyre: {op} on a sparse tensor; the spyre device holds strided (dense) tensors only: "
+        f"keep sparse tensors on the CPU, or call .to_dense() first"
+    )
+
+
 def register() -> None:
     """Make the ``spyre`` device (idempotent): rename PrivateUse1, install ``torch.spyre``, the
     kernels and the fallback. Imports neither jax nor spyre_jax."""
@@ -435,6 +446,8 @@ def register() -> None:
         fb = torch.library.Library("_", "IMPL")
         _libs.append(fb)
         fb.fallback(eager.fallback, k)
+        for key in ("SparsePrivateUse1", "SparseCsrPrivateUse1"):
+            fb.fallback(_refuse_sparse, key)  # not PyTorch's NotImplementedError
         _patch_storage()
         _patch_printing()
         _route_inductor()
