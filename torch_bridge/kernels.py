@@ -107,12 +107,12 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _identity(w: torch.Tensor) -> tuple:
-    """What says a weight is the same as when it was laid out: the tensor, its storage (``p.data
-    = t`` keeps the tensor and its version counter), where it sits in it, and its version
-    counter (an in-place change; an inference tensor has none). A write through ``p.data``
-    moves a counter of its own: after ``p.data.mul_(...)`` call ``torch._dynamo.reset()``."""
+    """What says a weight (the same tensor: :class:`WeightLayouts` holds a weak reference) is as
+    it was laid out: its storage (``p.data = t`` keeps the tensor and its version counter),
+    where it sits in it, and its version counter (an in-place change; an inference tensor has
+    none). A write through ``p.data`` moves a counter of its own: after ``p.data.mul_(...)``
+    call ``torch._dynamo.reset()``."""
     return (
-        id(w),
         w.untyped_storage().data_ptr(),
         w.storage_offset(),
         tuple(w.shape),

@@ -32,20 +32,20 @@ def _whole(t: torch.Tensor) -> bool:
 
 
 def _slice_of(dst: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
-    """``(base, dim, start, end)`` where ``dst`` is ``base`` sliced along one dim with step 1
-    and ``base`` is all of its storage; else None."""
+    """``(base, dim, start, end)`` where ``dst`` (not all of its storage) is ``base`` sliced
+    along one dim with step 1 and ``base`` is all of its storage; else None."""
     base = dst._base
-    if base is None or not _whole(base) or base.dim() != dst.dim() or dst.dtype != base.dtype:
+    if base is None or dst.numel() == 0 or dst.dim() == 0 or _whole(dst):
+        return None  # not a view, or all of its storage (copy_on_card's)
+    if not _whole(base) or base.dim() != dst.dim() or dst.dtype != base.dtype:
         return None
     if base.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr():
         return None  # base given other storage since (set_, .data =): dst is not in it
     if dst.stride() != base.stride():
         return None
     diff = [d for d in range(dst.dim()) if dst.shape[d] != base.shape[d]]
-    if len(diff) > 1:
+    if len(diff) != 1:
         return None
-    if not diff:
-        return None if dst.storage_offset() else (base, 0, 0, base.shape[0] if base.dim() else 0)
     d = diff[0]
     stride = base.stride(d)
     off = dst.storage_offset()
@@ -57,29 +57,33 @@ def _slice_of(dst: torch.Tensor) -> tuple[torch.Tensor, int, int, int] | None:
     return base, d, start, start + dst.shape[d]
 
 
-def write_on_card(dst: torch.Tensor, value: torch.Tensor) -> bool:
-    """``dst`` (a spyre tensor) given ``value`` (a spyre tensor that broadcasts to it) on the
-    card; False where it takes the host path (nothing done then)."""
-    if dst.numel() == 0 or dst.dim() == 0 or not st.is_spyre(value) or value.dtype != dst.dtype:
-        return False  # a conversion is _to_copy's own copy_ (which comes here): the host's
-    found = None if _whole(dst) else _slice_of(dst)
-    if found is None:  # a whole storage is copy_on_card's (a clone would come back here)
-        return False
+def _scatter(found: tuple[torch.Tensor, int, int, int], dst: torch.Tensor, v: torch.Tensor) -> bool:
+    """``v`` broadcast to ``dst`` and scattered into the slice ``found`` of its base, on the
+    card; the base's storage takes the result."""
     target, dim, start, end = found
-    if st.region(target).pending is None and st.region(value).pending is None:
-        return False  # both on the host already: the host's copy waits for nothing
-    v = value
     if tuple(v.shape) != tuple(dst.shape):
         v = v.expand(dst.shape)
     return st.copy_on_card(target, aten.slice_scatter(target, v, dim, start, end))
 
 
+def write_on_card(dst: torch.Tensor, value: torch.Tensor) -> bool:
+    """``dst`` (a spyre tensor) given ``value`` (a spyre tensor that broadcasts to it) on the
+    card; False where it takes the host path (nothing done then)."""
+    if not st.is_spyre(value) or value.dtype != dst.dtype:
+        return False  # a conversion is _to_copy's own copy_ (which comes here): the host's
+    found = _slice_of(dst)
+    if found is None:
+        return False
+    if st.region(found[0]).pending is None and st.region(value).pending is None:
+        return False  # both on the host already: the host's copy waits for nothing
+    return _scatter(found, dst, value)
+
+
 def fill_on_card(dst: torch.Tensor, value: object) -> bool:
     """``dst.fill_(value)`` on the card where ``dst`` is a slice of a tensor whose contents are
     a result on the card (see :func:`write_on_card`); False (nothing done) otherwise."""
-    if dst.numel() == 0 or _whole(dst) or dst._base is None:
-        return False
-    if st.region(dst).pending is None or _slice_of(dst) is None:
+    found = _slice_of(dst)
+    if found is None or st.region(found[0]).pending is None:
         return False
     # torch's own fill_ on the host makes the value: its range check and rounding
-    return write_on_card(dst, torch.empty((), dtype=dst.dtype).fill_(value).to(dst.device))
+    return _scatter(found, dst, torch.empty((), dtype=dst.dtype).fill_(value).to(dst.device))
