@@ -217,6 +217,12 @@ def _update(arr: jax.Array, slot: Any, tile: jax.Array) -> jax.Array:
     return lax.dynamic_update_slice(arr, tile[:, None], (z, s) + (z,) * (arr.ndim - 2))
 
 
+def _outside(op: Operand, dtype: str) -> Any:
+    """What an operand's blocks read outside the tensor: its ``pad_value``, or the
+    uninitialized scratchpad's value."""
+    return uninit_value(dtype) if op.pad_value is None else np_dtype(dtype).type(op.pad_value)
+
+
 def _fresh(b: SpBuf, rows: int) -> jax.Array:
     return jnp.full((rows, b.slots, *b.block), uninit_value(b.dtype), np_dtype(b.dtype))
 
@@ -310,6 +316,8 @@ def _matmul(
     pl, pr = bufs.plans[lhs_op.sp], bufs.plans[rhs_op.sp]
     lhs = bufs.read_rows(lhs_op.sp, slot)  # [rl, 1, tm, tkp]
     rhs = bufs.read_rows(rhs_op.sp, slot)  # [rr, 1, tk, tn] ([rr, 1, tn, tkr] with rhs_t)
+    if body is not None and body.window is not None:  # a convolution's windows, read in place
+        lhs, rhs = matmul_ops.conv_patches(jnp, lhs, rhs, body.window)
     if prologue is not None:
         tiles, dts, lhs_dt, dl16 = prologue
         first = np.zeros(len(lhs), np.int64)  # each stored row's first reader (0 if none)
@@ -625,7 +633,7 @@ def run_stage(
     skip = frozenset({stage.output.sp}) if mode == "acc" else frozenset()
     bufs = _Buffers(stage, ncores, plans, skip)
     sources = [
-        Source(env[op.tensor], op, uninit_value(decls[op.tensor].layout.dtype))
+        Source(env[op.tensor], op, _outside(op, decls[op.tensor].layout.dtype))
         for op in stage.inputs
     ]
     out = stage.output

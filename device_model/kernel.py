@@ -110,7 +110,9 @@ class Operand:
     one block (block 0) serves every tile. ``sp`` names the scratchpad buffer the block goes
     through. ``origin``/``step`` (per device dim; empty: 0 and ``block``) place block ``i`` at
     the elements ``[origin + i * step, origin + i * step + block)`` of the dim (see the module
-    docstring: windows and ragged edge blocks).
+    docstring: windows and ragged edge blocks). ``pad_value``: what the part of a block outside
+    the tensor reads as; None leaves the scratchpad's uninitialized bytes there (NaN), a number
+    is written by the load unit (the zero halo of a convolution's input window).
     """
 
     tensor: str
@@ -119,6 +121,7 @@ class Operand:
     sp: str
     origin: tuple[int, ...] = ()
     step: tuple[int, ...] = ()
+    pad_value: float | None = None
 
     @property
     def origins(self) -> tuple[int, ...]:
@@ -356,6 +359,23 @@ def _check_matmul(s: Stage, names: dict[str, TensorDecl]) -> None:
         )
     if s.reduce_axis < 0:
         raise ScheduleError("a matmul runs its K blocks in sequence: it needs a reduce_axis")
+    if st.window is not None:
+        _check_window(s, st.window)
+
+
+def _check_window(s: Stage, win: Any) -> None:
+    """A convolution's blocks: a window ``[1, rows_in, cols_in, tc]`` its taps fit in, an rhs
+    ``[taps, tc, tn]`` of as many channels, an output block of the window's pixels."""
+    lhs, rhs = s.inputs[0].block, s.inputs[1].block
+    if s.step.epilogue is not None or s.step.prologue is not None or len(lhs) != 4:
+        raise ScheduleError("a convolution's matmul reads a 4-D window and fuses no map")
+    rows, cols = win.extent
+    if lhs[0] != 1 or lhs[1] < rows or lhs[2] < cols:
+        raise ScheduleError(f"window block {list(lhs)} does not hold {rows}x{cols} input pixels")
+    if len(rhs) != 3 or rhs[0] != win.taps or rhs[1] > lhs[3]:
+        raise ScheduleError(f"a convolution's rhs block {list(rhs)} is not [taps, tc, tn]")
+    if s.output.block[1] != win.rows * win.cols:
+        raise ScheduleError(f"output block {list(s.output.block)} is not the window's pixels")
 
 
 def _check_gather(s: Stage, names: dict[str, TensorDecl]) -> None:
@@ -533,6 +553,7 @@ def format_stage(s: Stage, names: dict[str, TensorDecl], max_steps: int = 2) -> 
         )
     for op in s.inputs:
         win = f" origin={list(op.origins)} step={list(op.steps)}" if op.windowed else ""
+        win += f" pad_value={op.pad_value}" if op.pad_value is not None else ""
         lines.append(
             f"    in  {op.tensor} block={list(op.block)} grid_dims={list(op.grid_dims)}{win}"
         )

@@ -13,9 +13,16 @@ from typing import Any
 import numpy as np
 
 from .ops import fit, narrow, run_map
-from .steps import MatmulStep
+from .steps import ConvWindow, MatmulStep
 
-__all__ = ["mask_k", "mask_n", "run_matmul_step", "run_epilogue", "run_prologue"]
+__all__ = [
+    "mask_k",
+    "mask_n",
+    "run_matmul_step",
+    "run_epilogue",
+    "run_prologue",
+    "conv_patches",
+]
 
 
 def mask_k(xp: Any, lhs: Any, rhs: Any, valid: Any, rhs_t: bool = False) -> tuple[Any, Any]:
@@ -130,3 +137,23 @@ def run_prologue(
     dts.insert(body.lhs_slot, lhs_dtype)
     r = run_map(xp, pro, tiles, dts, sb, lhs.shape[0])
     return fit(xp, narrow(xp, r, pro.out_dtype, dl16), block)
+
+
+def conv_patches(xp: Any, lhs: Any, rhs: Any, win: ConvWindow) -> tuple[Any, Any]:
+    """A convolution's PE operands from its scratchpad blocks: the window tiles ``[C, 1, rows_in,
+    cols_in, tcp]`` read as patches ``[C, 1, rows * cols, taps * tc]`` (tap-major, as
+    :class:`~device_model.steps.ConvWindow` says) and the rhs tiles ``[C, taps, tc, tn]`` as
+    ``[C, 1, taps * tc, tn]``; ``tc`` is the rhs block's (the window's stick padding beyond it
+    is not read)."""
+    taps, tc, tn = rhs.shape[1:]
+    (kh_n, kw_n), (sh, sw), (dh, dw) = win.kernel, win.strides, win.dilation
+    r, ow = win.rows, win.cols
+    parts = []
+    for kh in range(kh_n):
+        for kw in range(kw_n):
+            h0, w0 = kh * dh, kw * dw
+            part = lhs[:, 0, h0 : h0 + (r - 1) * sh + 1 : sh, w0 : w0 + (ow - 1) * sw + 1 : sw, :tc]
+            parts.append(part)
+    pat = xp.stack(parts, axis=3)  # [C, r, ow, taps, tc]
+    pat = pat.reshape(lhs.shape[0], 1, r * ow, taps * tc)
+    return pat, rhs.reshape(rhs.shape[0], 1, taps * tc, tn)

@@ -148,7 +148,8 @@ def _check_dtype(what: str, tensor_dtype: str, buf: SpBuf) -> None:
 
 def _load(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, slot: int) -> None:
     """Load unit: one block's bytes from device memory into a scratchpad slot. The part of the
-    block outside the tensor (a ragged edge, a window before element 0) gets all-ones bytes."""
+    block outside the tensor (a ragged edge, a window before element 0) gets all-ones bytes, or
+    the operand's ``pad_value``."""
     dev = mem[op.tensor]
     src, dst = block_window(op, dev.shape, block)
     whole = all(s.start == 0 and s.stop == b for s, b in zip(dst, op.block, strict=True))
@@ -157,6 +158,8 @@ def _load(sp: Scratchpad, op: Operand, mem: dict[str, np.ndarray], block: int, s
         return
     raw = np.full(math.prod(op.block) * dev.dtype.itemsize, 0xFF, np.uint8)
     tile = raw.view(dev.dtype).reshape(op.block)
+    if op.pad_value is not None:  # the load unit writes the halo's value
+        tile[...] = op.pad_value
     tile[dst] = dev[src]
     sp.write_bytes(op.sp, slot, raw)
 
@@ -247,6 +250,8 @@ def _matmul(cx: _Core, kpos: int) -> None:
     stage, step, out = cx.stage, cx.stage.step, cx.out
     lhs_op, rhs_op, extras, pro_ops = step.split_inputs(stage.inputs)
     lhs, rhs = cx.tile(lhs_op), cx.tile(rhs_op)  # [1, 1, tm, tkp], [1, 1, tk, tn]
+    if step.window is not None:  # a convolution: the patches of the window, read in place
+        lhs, rhs = matmul_ops.conv_patches(np, lhs, rhs, step.window)
     if step.prologue is not None:  # the lhs tile through the SFUs on its way to the PE
         lhs_dt = cx.decls[lhs_op.tensor].layout.dtype
         lhs = matmul_ops.run_prologue(

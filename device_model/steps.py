@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from .ops import MapBody
 
 __all__ = [
+    "ConvWindow",
     "MapStep",
     "MatmulStep",
     "GatherStep",
@@ -32,6 +33,43 @@ __all__ = [
     "Step",
     "STEP_KINDS",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ConvWindow:
+    """How a convolution's PE step reads its lhs (an implicit GEMM): the lhs block is a window
+    ``[1, rows_in, cols_in, tc]`` of the channels-last input (its halo written as zeros by the
+    load unit), and the PE takes from it, for each kernel tap ``(kh, kw)`` in row-major order,
+    the strided ``[rows, cols]`` grid of positions ``(i * strides[0] + kh * dilation[0], j *
+    strides[1] + kw * dilation[1])``: the patches ``[rows * cols, taps * tc]`` of ``rows`` output
+    rows of ``cols`` pixels, never stored. The rhs block is ``[taps, tc, tn]``."""
+
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    rows: int
+    cols: int
+
+    @property
+    def taps(self) -> int:
+        return self.kernel[0] * self.kernel[1]
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """The input rows and columns a block's window spans."""
+        return tuple(
+            (n - 1) * s + (k - 1) * d + 1
+            for n, s, k, d in zip(
+                (self.rows, self.cols), self.strides, self.kernel, self.dilation, strict=True
+            )
+        )
+
+    def __str__(self) -> str:
+        (kh, kw), (sh, sw), (dh, dw) = self.kernel, self.strides, self.dilation
+        return (
+            f"windows {kh}x{kw} stride {sh}x{sw} dilation {dh}x{dw} -> "
+            f"{self.rows}x{self.cols} pixels"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +90,10 @@ class MatmulStep:
     last inputs, in order, each loaded with the lhs tile of its step. The PE then multiplies
     the prologue's result, rounded to its dtype as the unfused map's store rounds it: the
     results are those of the unfused map and matmul. ``prologue_sfu``: its SFU element-ops
-    over its whole space (one pass; the timing model's per-tile cost)."""
+    over its whole space (one pass; the timing model's per-tile cost).
+
+    ``window``: a convolution (:class:`ConvWindow`): the lhs block is a window of the input
+    and the PE reads its patches in place; ``k_logical`` is then taps x input channels."""
 
     kind: ClassVar[str] = "matmul"
     unit: ClassVar[str] = "PE"
@@ -67,6 +108,7 @@ class MatmulStep:
     prologue: MapBody | None = None
     lhs_slot: int = 0
     prologue_sfu: int = 0
+    window: ConvWindow | None = None
 
     @property
     def prologue_inputs(self) -> int:
@@ -93,14 +135,28 @@ class MatmulStep:
         pro = ""
         if self.prologue is not None:
             pro = f"lhs = prologue (lhs = in{self.lhs_slot}): {self.prologue}; "
+        lhs = f"patches(lhs: {self.window})" if self.window is not None else "lhs"
         return (
-            f"{pro}acc += lhs @ {rhs} (fp32, K={self.k_logical}{nm}); "
+            f"{pro}acc += {lhs} @ {rhs} (fp32, K={self.k_logical}{nm}); "
             f"last: acc -> {self.out_dtype}" + ep
         )
 
     def tk(self, rhs_block: tuple[int, ...]) -> int:
-        """The logical K of an rhs block (a whole-K NT block spans the stick-padded K)."""
+        """The logical K of an rhs block (a whole-K NT block spans the stick-padded K; a
+        convolution's ``[taps, tc, tn]`` block holds taps x tc)."""
+        if self.window is not None:
+            return rhs_block[0] * rhs_block[1]
         return min(rhs_block[-1], self.k_logical) if self.rhs_t else rhs_block[-2]
+
+    def pe_block(
+        self, lhs_block: tuple[int, ...], rhs_block: tuple[int, ...]
+    ) -> tuple[int, int, int]:
+        """The PE's ``(tm, tk, tn)`` of a step on these blocks (a convolution's patches: its
+        output pixels by taps x the window's channels, stick-padded as loaded)."""
+        if self.window is not None:
+            w = self.window
+            return w.rows * w.cols, w.taps * lhs_block[3], rhs_block[2]
+        return lhs_block[1], lhs_block[2], rhs_block[1] if self.rhs_t else rhs_block[2]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

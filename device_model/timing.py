@@ -117,9 +117,10 @@ def _compute_time(s: Stage, card: CardSpec) -> tuple[float, float]:
     ep_s = 0.0
     if isinstance(step, MatmulStep):
         lhs, rhs = s.inputs[:2]
-        tm, tkp = lhs.block[1], lhs.block[2]
-        tn = rhs.block[1] if step.rhs_t else rhs.block[2]
-        batched = s.grid[0] > 1  # [B, M, K] x [B, K, N] with B > 1: a batched matmul
+        tm, tkp, tn = step.pe_block(lhs.block, rhs.block)
+        # [B, M, K] x [B, K, N] with B > 1: a batched matmul (a convolution's batch is images
+        # sharing one kernel: a plain GEMM's rate)
+        batched = s.grid[0] > 1 and step.window is None
         rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
         c_step = 2 * tm * tn * tkp / rate
         sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz

@@ -1,16 +1,26 @@
 """Convolutions from the graph IR's ops, for both importers: a GEMM of input patches and the
 kernel on the PE.
 
-The input is taken channels-last (the channels on the stick dim) and padded (interior padding for an
-input dilation: a transposed convolution); an input of few channels (an image's 3:
-:data:`FEW_CHANNELS`) is taken channels-first instead, its width on the sticks, and its patches
-gathered as ``[C * taps, N * OH * OW]`` for ``kernel @ patches``. Channels-last, its patches are
-gathered as ``[N, OH, OW, taps, C]``: where the stride equals the kernel and nothing overlaps (a
-ViT's patch embedding) that is a reshape and a transpose of the input; otherwise one strided slice
-per kernel tap, concatenated (an explicit im2col: the patches are written to device memory once,
-``taps`` times the input, and read once by the matmul). Groups are the batch of a batched matmul
-(``[G, M, taps * C/G] x [G, taps * C/G, O/G]``), so a depthwise convolution is ``C`` small matmuls.
-The products accumulate in fp32 and round once to the output dtype, as the card's matmuls do.
+A convolution of one group is a ``conv`` node (an implicit GEMM, :mod:`lowering.tile_conv`):
+the input taken channels-last (the channels on the stick dim), the kernel as ``[KH * KW, C,
+O]``; the PE reads each tile's patches from a window of the input in scratchpad, the padding
+written as the window's zero halo by the load unit. Only padding beyond the kernel's extent and
+the interior padding of an input dilation (a transposed convolution) are stored (a pad). A 1x1
+convolution of stride 1 is a plain matmul of the channels-last input.
+
+The rest gather the patches explicitly (an im2col: written to device memory once, ``taps``
+times the input, and read once by the matmul): an input of few channels (an image's 3:
+:data:`FEW_CHANNELS`) read in windows that do not overlap (a ViT's patch embedding: the patches
+are a re-layout of the input, and channels-last each PE step would multiply 3 useful channels of
+a 64-element stick) is taken channels-first, its width on the sticks, and its patches gathered
+as ``[C * taps, N * OH * OW]`` for ``kernel @ patches``; a grouped convolution's
+channels-last patches ``[N, OH, OW, taps, C]`` (one strided slice per kernel tap, concatenated;
+where the stride equals the kernel and nothing overlaps, a ViT's patch embedding, a reshape and
+a transpose) feed a batched matmul, the groups its batch (``[G, M, taps * C/G] x [G, taps * C/G,
+O/G]``), so a depthwise convolution is ``C`` small matmuls. A ``conv`` node whose smallest
+window does not fit the scratchpad is lowered the same way by the ``unfuse`` pass
+(:func:`explicit`). The products accumulate in fp32 and round once to the output dtype, as the
+card's matmuls do.
 
 1-D convolutions are 2-D ones of height 1. 3-D convolutions are refused (LoweringError).
 """
@@ -21,11 +31,13 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from .builder import Builder, Lit
 from .errors import LoweringError
-from .graph import Var
+from .graph import Node, Var
 
-__all__ = ["conv", "window_reduce", "FEW_CHANNELS"]
+__all__ = ["conv", "window_reduce", "explicit", "FEW_CHANNELS"]
 
 #: below this many input channels (an image's 3) the patches are gathered channels-first, the
 #: output's width on the sticks: channels-last, a stick would hold 3 useful elements of 64 (a
@@ -95,6 +107,78 @@ def _taps(b: Builder, xl: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[
     return b.concat(pieces, 3)
 
 
+def _conv_implicit(
+    b: Builder,
+    xl: Var,
+    w: Var,
+    k: tuple[int, int],
+    s: tuple[int, int],
+    d: tuple[int, int],
+    padding: Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int],
+    dt: str,
+) -> Var:
+    """One group's convolution as a ``conv`` node on the channels-last ``xl`` ``[N, H, W,
+    C]`` and the kernel ``w`` ``[O, C, KH, KW]``: ``[N, O, OH, OW]``. Padding up to the kernel's
+    extent is the window's halo; an input dilation's interior padding and padding beyond the
+    extent are stored first (a pad)."""
+    N, C = xl.shape[0], xl.shape[3]
+    Co = w.shape[0]
+    ext = [(kk - 1) * dd for kk, dd in zip(k, d, strict=True)]
+    if any(ld != 1 for ld in lhs_dilation):  # a transposed convolution: the pad stored
+        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
+        halo = ((0, 0), (0, 0))
+    else:
+        pads = list(zip(padding, ext, strict=True))
+        cfg = [(max(0, lo - e), max(0, hi - e), 0) for (lo, hi), e in pads]
+        halo = tuple((min(lo, e), min(hi, e)) for (lo, hi), e in pads)
+    if any(c != (0, 0, 0) for c in cfg):
+        xl = b.pad(xl, Lit(0, xl.dtype), [(0, 0, 0), *cfg, (0, 0, 0)])
+    wk = b.reshape(b.transpose(w, (2, 3, 1, 0)), (k[0] * k[1], C, Co))  # [taps, C, O]
+    if wk.dtype != xl.dtype:
+        wk = b.emit("convert", [wk], wk.shape, xl.dtype, dtype=xl.dtype)
+    H, W = xl.shape[1:3]
+    OH, OW = (
+        (n + lo + hi - e - 1) // st + 1
+        for n, (lo, hi), e, st in zip((H, W), halo, ext, s, strict=True)
+    )
+    out = b.emit(
+        "conv",
+        [xl, wk],
+        (N, OH * OW, Co),
+        dt,
+        dtype=dt,
+        kernel=tuple(k),
+        strides=tuple(s),
+        dilation=tuple(d),
+        padding=halo,
+    )
+    return b.transpose(b.reshape(out, (N, OH, OW, Co)), (0, 3, 1, 2))
+
+
+def explicit(n: Node) -> tuple[list[Node], list[tuple[Var, np.ndarray]]]:
+    """A ``conv`` node as an explicit im2col (its halo padded in device memory, the patches
+    concatenated, one matmul): the nodes and the constants they read; the last node gives the
+    ``conv`` node's own output. For a convolution no window of which fits the scratchpad."""
+    b = Builder()
+    b.source = n.source
+    xl, wk = n.inputs
+    p = n.params
+    T, C, Co = wk.shape
+    cfg = [(0, 0, 0), *((lo, hi, 0) for lo, hi in p.padding), (0, 0, 0)]
+    if any(c != (0, 0, 0) for c in cfg):
+        xl = b.pad(xl, Lit(0, xl.dtype), cfg)
+    patches = _taps(b, xl, p.kernel, p.strides, p.dilation)  # [N, OH, OW, T, C]
+    M = math.prod(patches.shape[:3])
+    lhs = b.reshape(patches, (1, M, T * C))
+    rhs = b.reshape(wk, (1, T * C, Co))
+    prod = b.emit("matmul", [lhs, rhs], (1, M, Co), p.dtype, dtype=p.dtype)
+    b.emit("reshape", [prod], n.out.shape, p.dtype, shape=n.out.shape)
+    last = b.nodes[-1]
+    b.nodes[-1] = Node(last.op, last.inputs, n.outputs, last.params, last.source)
+    return b.nodes, b.consts
+
+
 def conv(
     b: Builder,
     x: Var,
@@ -131,19 +215,27 @@ def conv(
             f"groups and {Co} outputs"
         )
     Og, T = Co // G, KH * KW
-    if G == 1 and C < FEW_CHANNELS:
+    # non-overlapping windows (a ViT's patch embedding): the explicit patches are a re-layout
+    disjoint = all(
+        s >= (kk - 1) * d + 1 for s, kk, d in zip(strides, (KH, KW), rhs_dilation, strict=True)
+    )
+    if G == 1 and C < FEW_CHANNELS and disjoint:
         cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
         if any(c != (0, 0, 0) for c in cfg):
             x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
         out = _conv_few_channels(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
         return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     xl = b.transpose(x, (0, 2, 3, 1))
+    k, st, rd = (KH, KW), tuple(strides), tuple(rhs_dilation)
+    if G == 1 and (T > 1 or st != (1, 1) or any(lo or hi for lo, hi in padding)):
+        out = _conv_implicit(b, xl, w, k, st, rd, padding, lhs_dilation, out_dtype)
+        return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     cfg = [(0, 0, 0)] + [
         (lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)
     ]
     if any(c != (0, 0, 0) for c in cfg):
         xl = b.pad(xl, Lit(0, xl.dtype), [*cfg, (0, 0, 0)])
-    patches = _taps(b, xl, (KH, KW), tuple(strides), tuple(rhs_dilation))  # [N, OH, OW, T, C]
+    patches = _taps(b, xl, k, st, rd)  # [N, OH, OW, T, C]
     OH, OW = patches.shape[1:3]
     M = N * OH * OW
     if G == 1:

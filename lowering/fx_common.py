@@ -13,6 +13,7 @@ tensor; for comparisons, the promoted input dtype).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -146,6 +147,29 @@ def bcast(b: Builder, x: Var, shape: tuple[int, ...]) -> Var:
         if s not in (1, shape[d]):
             raise LoweringError(f"spyre: cannot broadcast {x.shape} to {shape}")
     return b.emit("broadcast", [x], shape, x.dtype, shape=shape, dims=dims)
+
+
+def take(b: Builder, x: Var, axis: int, rows: Var) -> Var:
+    """``x``'s entries ``rows`` (int32 ``[M]``, clamped into range) along ``axis``: one row
+    gather of ``x`` with ``axis`` moved first, the result ``x``'s shape with ``M`` at ``axis``."""
+    n, M = x.shape[axis], rows.shape[0]
+    perm = (axis, *(d for d in range(len(x.shape)) if d != axis))
+    moved = b.transpose(x, perm) if axis else x
+    rest = moved.shape[1:]
+    D = math.prod(rest)
+    got = b.emit(
+        "gather",
+        [b.reshape(moved, (n, D)), rows],
+        (M, D),
+        x.dtype,
+        mode="clip",
+        fill_value=None,
+    )
+    got = b.reshape(got, (M, *rest))
+    if not axis:
+        return got
+    back = tuple(perm.index(d) for d in range(len(x.shape)))
+    return b.transpose(got, back)
 
 
 def operand(b: Builder, x: Any, shape: tuple[int, ...], dt: str) -> Var | Lit:

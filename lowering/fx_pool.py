@@ -1,6 +1,7 @@
 """torch FX rules: pooling and batch norm (``max_pool2d_with_indices``, ``avg_pool2d``,
-``_adaptive_avg_pool2d``, ``_native_batch_norm_legit*``), from windowed reductions
-(:func:`lowering.conv_ops.window_reduce`: strided slices merged elementwise) and maps.
+``_adaptive_avg_pool2d``, ``adaptive_max_pool2d``, ``_native_batch_norm_legit*``), from
+windowed reductions (:func:`lowering.conv_ops.window_reduce`: strided slices merged
+elementwise) and maps.
 
 ``ceil_mode`` adds the high padding the last window needs (a window that would start in the
 padding only is dropped, as torch drops it); the average's divisor is computed per output
@@ -19,7 +20,7 @@ import numpy as np
 
 from . import conv_ops, torch_import
 from .builder import Builder, Lit
-from .fx_common import bcast, convert, result, rule
+from .fx_common import bcast, convert, result, rule, take
 from .graph import Var
 from .torch_import import torch
 
@@ -202,6 +203,74 @@ def _adaptive_avg_pool2d(b: Builder, node: torch.fx.Node, x: Var, output_size: A
     y = _adaptive_axis(b, convert(b, x, "float32"), r - 2, oh)
     y = _adaptive_axis(b, y, r - 1, ow)
     return convert(b, y, dt)
+
+
+def _windows(n: int, out: int) -> list[tuple[int, int]]:
+    """torch's adaptive windows ``[floor(i n / o), ceil((i + 1) n / o))`` of each output ``i``."""
+    return [((i * n) // out, -(-((i + 1) * n) // out)) for i in range(out)]
+
+
+def _max_axis(b: Builder, x: Var, at: Var, axis: int, out: int) -> tuple[Var, Var]:
+    """The maximum over the adaptive windows along ``axis`` and the index ``at`` holds where
+    it is (torch's CPU kernel: the first maximum, a NaN wins and the last NaN is kept).
+    Step ``k`` compares the ``k``-th element of every window at once (a window shorter than
+    the longest repeats its last element, which changes nothing)."""
+    n = x.shape[axis]
+    wins = _windows(n, out)
+    longest = max(hi - lo for lo, hi in wins)
+    shape = tuple(out if j == axis else s for j, s in enumerate(x.shape))
+    uniform = n % out == 0
+    best: Var | None = None
+    idx: Var | None = None
+    for k in range(longest):
+        if uniform:  # windows n / out apart: one strided slice
+            step, r = n // out, len(x.shape)
+            lim = tuple(k + (out - 1) * step + 1 if j == axis else s for j, s in enumerate(x.shape))
+            cut = {
+                "starts": tuple(k if j == axis else 0 for j in range(r)),
+                "limits": lim,
+                "strides": tuple(step if j == axis else 1 for j in range(r)),
+            }
+            part = b.emit("slice", [x], shape, x.dtype, **cut)
+            pat = b.emit("slice", [at], shape, at.dtype, **cut)
+        else:
+            rows = np.array([min(lo + k, hi - 1) for lo, hi in wins], np.int32)
+            pos = b.const(rows, "int32")
+            part, pat = take(b, x, axis, pos), take(b, at, axis, pos)
+        if best is None:
+            best, idx = part, pat
+            continue
+        take_it = b.elementwise(
+            "or",
+            [
+                b.elementwise("gt", [part, best], shape, "bool"),
+                b.elementwise("ne", [part, part], shape, "bool"),
+            ],
+            shape,
+            "bool",
+        )
+        best = b.elementwise("select_n", [take_it, best, part], shape, x.dtype)
+        idx = b.elementwise("select_n", [take_it, idx, pat], shape, "int32")
+    assert best is not None and idx is not None
+    return best, idx
+
+
+@rule(aten.adaptive_max_pool2d.default)
+def _adaptive_max_pool2d(
+    b: Builder, node: torch.fx.Node, x: Var, output_size: Any
+) -> tuple[Var, Var]:
+    """Separable, as torch's CPU kernel scans each window row by row: the maximum of each row
+    of the window (and its column), then the first row holding the maximum of those (a NaN:
+    the last row holding one, at its last NaN). The index is the flat ``h * W + w``."""
+    shape, dt = result(node)
+    oh, ow = _pair(output_size)
+    r = len(x.shape)
+    H, W = x.shape[-2:]
+    flat = np.arange(H * W, dtype=np.int32).reshape(H, W)
+    at = bcast(b, b.const(flat, "int32"), x.shape)
+    y, at = _max_axis(b, convert(b, x, dt), at, r - 1, ow)
+    y, at = _max_axis(b, y, at, r - 2, oh)
+    return y, at
 
 
 def _per_channel(b: Builder, v: Var | None, x: Var, value: float) -> Var | Lit:

@@ -34,7 +34,7 @@ from device_model.ops import REDUCTIONS
 
 from . import indexing, sort_ops, torch_import
 from .builder import Builder, Lit
-from .fx_common import bcast, convert, ew_raw, meta_val, norm_dim, result, rule
+from .fx_common import bcast, convert, ew_raw, meta_val, norm_dim, result, rule, take
 from .graph import Var
 from .torch_import import torch
 
@@ -318,21 +318,35 @@ def _index_put_ok(node: torch.fx.Node) -> bool:
     if not ts or not isinstance(v, torch.Tensor) or (acc and v.dtype == torch.bool):
         return False
     if any(t.dtype in (torch.bool, torch.uint8) for _, t in ts):
-        vals = _fake(node.args[2])
         (p, m), *more = ts
         return (
             not more
             and m.dtype == torch.bool
             and m.dim() >= 1
             and tuple(m.shape) == tuple(v.shape[p : p + m.dim()])
-            and isinstance(vals, torch.Tensor)
-            and vals.numel() == 1
+            and _mask_values_ok(_fake(node.args[2]), v.shape, p, m.dim())
         )
     if any(t.dtype.is_floating_point or t.dtype.is_complex for _, t in ts):
         return False
     rows = math.prod(v.shape[i] for i, _ in ts)
     updates = math.prod(torch.broadcast_shapes(*(t.shape for _, t in ts)))
     return _fits(rows, updates, v.numel() // max(rows, 1), bool(acc))
+
+
+def _mask_values_ok(vals: Any, shape: Any, p: int, md: int) -> bool:
+    """Whether ``vals`` broadcasts to ``x[..., mask, ...]`` (``[*shape[:p], K, *rest]``, the
+    mask on ``md`` dims from ``p``, ``K`` its count, any size here: checked by torch)."""
+    if not isinstance(vals, torch.Tensor):
+        return False
+    tgt = (*shape[:p], None, *shape[p + md :])
+    vs = tuple(vals.shape)
+    if len(vs) > len(tgt):
+        if any(d != 1 for d in vs[: len(vs) - len(tgt)]):
+            return False
+        vs = vs[len(vs) - len(tgt) :]
+    return all(
+        d == 1 or t is None or d == t for d, t in zip(reversed(vs), reversed(tgt), strict=False)
+    )
 
 
 def _put_along_ok(node: torch.fx.Node) -> bool:
@@ -387,28 +401,58 @@ def _index_put(
 
 
 def _masked_put(b: Builder, x: Var, p: int, mask: Var, values: Any, accumulate: bool) -> Var:
-    """``x[..., mask] = v`` (``+= v``) for a one-element ``v``: a select where the mask (on the
-    dims from ``p``) holds."""
+    """``x[..., mask] = v`` (``+= v``): a select where the mask (on the dims from ``p``) holds.
+    A ``v`` with one entry per masked position (``[..., K, ...]``, ``K`` the mask's count) is
+    first gathered to the mask's positions: the ``j``-th true position (in row-major order,
+    its running count minus one) takes entry ``j``."""
     shape, dt = x.shape, x.dtype
-    m = b.emit(
-        "broadcast", [mask], shape, "bool", shape=shape, dims=tuple(range(p, p + len(mask.shape)))
-    )
-    v = b.reshape(convert(b, values, dt), ()) if isinstance(values, Var) else values
-    new = _values(b, v, shape, dt)
+    md = len(mask.shape)
+    m = b.emit("broadcast", [mask], shape, "bool", shape=shape, dims=tuple(range(p, p + md)))
+    if not isinstance(values, Var):
+        new = _values(b, values, shape, dt)
+    else:
+        lead, rest = shape[:p], shape[p + md :]
+        v = convert(b, values, dt)
+        rank = p + 1 + len(rest)
+        if len(v.shape) > rank:
+            v = b.reshape(v, v.shape[len(v.shape) - rank :])
+        vs = (1,) * (rank - len(v.shape)) + tuple(v.shape)
+        k = vs[p]
+        if k == 1:
+            new = bcast(b, b.reshape(v, (*vs[:p], *(1,) * md, *vs[p + 1 :])), shape)
+        else:
+            v = bcast(b, b.reshape(v, vs), (*lead, k, *rest))
+            M = math.prod(mask.shape)
+            flat = convert(b, b.reshape(mask, (M,)), _I32)
+            run = b.emit("reduce", [flat], (M,), _I32, kind="cumsum", axes=(0,))
+            at = ew_raw(b, "max", [ew_raw(b, "sub", [run, 1], (M,), _I32), 0], (M,), _I32)
+            new = b.reshape(take(b, v, p, at), shape)
     if accumulate:
         new = b.elementwise("add", [x, new], shape, dt)
     return b.elementwise("select_n", [m, x, new], shape, dt)
 
 
 def _put_along(
-    b: Builder, node: torch.fx.Node, x: Var, dim: int, index: Var, src: Var, kind: str
+    b: Builder,
+    out: tuple[tuple[int, ...], str],
+    x: Var,
+    dim: int,
+    index: Var,
+    src: Var,
+    kind: str,
 ) -> Var:
-    """``x`` with the slices ``index`` names along ``dim`` set to (added) ``src``'s: an
-    ``index_put`` on that one dim."""
-    shape, dt = result(node)
+    """``x`` (of the result's ``out``: shape, dtype) with the slices ``index`` names along
+    ``dim`` set to (added) ``src``'s: an ``index_put`` on that one dim."""
+    shape, dt = out
     if not shape:  # a rank-0 tensor: as one of one element
         one = _put_along(
-            b, node, b.reshape(x, (1,)), 0, b.reshape(index, (1,)), b.reshape(src, (1,)), kind
+            b,
+            ((1,), dt),
+            b.reshape(x, (1,)),
+            0,
+            b.reshape(index, (1,)),
+            b.reshape(src, (1,)),
+            kind,
         )
         return b.reshape(one, ())
     d = norm_dim(dim, len(shape))
@@ -435,14 +479,14 @@ def _index_add(
     src = convert(b, source, dt)
     if alpha != 1:
         src = ew_raw(b, "mul", [src, alpha], src.shape, dt)
-    return _put_along(b, node, x, dim, index, src, "add")
+    return _put_along(b, result(node), x, dim, index, src, "add")
 
 
 @rule(aten.index_copy.default, when=_put_along_ok)
 def _index_copy(b: Builder, node: torch.fx.Node, x: Var, dim: int, index: Var, source: Var) -> Var:
     """``x.index_copy(dim, index, source)``: the slices ``index`` names replaced by
     ``source``'s (of duplicates the last)."""
-    return _put_along(b, node, x, dim, index, source, "set")
+    return _put_along(b, result(node), x, dim, index, source, "set")
 
 
 torch_import.finish(__name__)  # see lowering.torch_import

@@ -16,6 +16,8 @@ A :class:`Graph` is a list of :class:`Node` s in topological order over :class:`
   to the lhs on its way in, the lhs its input ``slot`` (printed ``lhs_slot``) and the node's
   last inputs the rest (after the epilogue's),
 * ``gather``: rows of a table by int32 indices (``mode``: clip or fill),
+* ``conv``: a 2-D convolution, channels-last ``[N, H, W, C]`` by ``[KH * KW, C, O]`` ->
+  ``[N, OH * OW, O]`` (an implicit GEMM: :mod:`lowering.tile_conv`),
 * ``sort``: the first ``k`` indices of a stable sort of each row of its keys ``[R, n]``
   (``descending``, ``order``), ``take_along``: each row's elements at int32 indices,
 * ``map``: a fused SFU chain (made by the fusion pass; param ``body``: a MapBody),
@@ -286,6 +288,22 @@ def _r_sort(n: Node) -> list:
     return [((shape[0], n.params.k), "int32")]
 
 
+def _r_conv(n: Node) -> list:
+    _need(len(n.inputs) == 2, "conv: an input and a kernel")
+    x, w = n.inputs
+    p = n.params
+    _need(len(x.shape) == 4, f"conv: the input must be [N, H, W, C], not {list(x.shape)}")
+    taps = p.kernel[0] * p.kernel[1]
+    _need(
+        len(w.shape) == 3 and w.shape[:2] == (taps, x.shape[3]),
+        f"conv: the kernel must be [{taps}, {x.shape[3]}, O], not {list(w.shape)}",
+    )
+    _need(x.dtype == w.dtype, f"conv: input {x.dtype} and kernel {w.dtype} differ")
+    oh, ow = p.out_hw(*x.shape[1:3])
+    _need(oh > 0 and ow > 0, f"conv: the kernel is larger than the padded input {x.shape}")
+    return [((x.shape[0], oh * ow, w.shape[2]), p.dtype)]
+
+
 def _r_take_along(n: Node) -> list:
     _need(len(n.inputs) == 2, "take_along: a tensor and its indices")
     x, idx = n.inputs
@@ -396,6 +414,7 @@ _RULES: dict[str, Callable[[Node], list]] = {
     "update_slice": _r_update_slice,
     "sort": _r_sort,
     "take_along": _r_take_along,
+    "conv": _r_conv,
 }
 
 

@@ -113,11 +113,12 @@ _NARROW = ("float16", "bfloat16")
 
 
 def narrow_matmul(g: Graph) -> Graph:
-    """A matmul that accumulates in fp32 only to be converted to fp16 or bf16 (JAX's
-    ``preferred_element_type=jnp.float32`` then ``.astype``, possibly through a reshape) stores
-    the narrow dtype itself: ``matmul[dtype=float16]``. Its accumulator stays fp32 and is rounded
-    once on the way out, as the convert rounds it, so the results are the same. The fp32 tensor
-    never reaches device memory (half the output traffic, and no separate convert stage)."""
+    """A matmul (or a convolution) that accumulates in fp32 only to be converted to fp16 or
+    bf16 (JAX's ``preferred_element_type=jnp.float32`` then ``.astype``, possibly through a
+    reshape) stores the narrow dtype itself: ``matmul[dtype=float16]``. Its accumulator stays
+    fp32 and is rounded once on the way out, as the convert rounds it, so the results are the
+    same. The fp32 tensor never reaches device memory (half the output traffic, and no separate
+    convert stage)."""
     uses = use_counts(g)
     made = {n.out.id: n for n in g.nodes if len(n.outputs) == 1}
     replace: dict[int, list[Node]] = {}  # convert node id -> its replacement nodes
@@ -132,7 +133,7 @@ def narrow_matmul(g: Graph) -> Graph:
             mid, src = src, made.get(src.inputs[0].id)
         if (
             src is None
-            or src.op != "matmul"
+            or src.op not in ("matmul", "conv")
             or src.out.dtype != "float32"
             or uses.get(src.out.id) != 1
         ):
@@ -140,11 +141,11 @@ def narrow_matmul(g: Graph) -> Graph:
         dt = c.params.dtype
         ps = dataclasses.replace(src.params, dtype=dt)
         if mid is None:
-            nodes = [Node("matmul", src.inputs, c.outputs, ps, src.source)]
+            nodes = [Node(src.op, src.inputs, c.outputs, ps, src.source)]
         else:
             m = Var(src.out.shape, dt)
             nodes = [
-                Node("matmul", src.inputs, (m,), ps, src.source),
+                Node(src.op, src.inputs, (m,), ps, src.source),
                 Node("reshape", (m,), c.outputs, mid.params, mid.source),
             ]
             drop.add(id(mid))

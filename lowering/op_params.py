@@ -399,6 +399,43 @@ class Sort(Params):
 
 
 @dataclass(frozen=True, slots=True)
+class Conv(Params):
+    """A 2-D convolution as an implicit GEMM: the node's inputs are the channels-last input
+    ``[N, H, W, C]`` and the kernel ``[KH * KW, C, O]`` (taps row-major), its output ``[N, OH *
+    OW, O]`` in ``dtype`` (fp32 accumulation). ``padding``: zeros around the input, ``(low,
+    high)`` per spatial dim, each at most the kernel's extent less one (more is padded before)."""
+
+    dtype: str
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: tuple[tuple[int, int], tuple[int, int]]
+
+    def check(self, op: str) -> None:
+        _dtype(op, "dtype", self.dtype)
+        for name in ("kernel", "strides", "dilation"):
+            v = getattr(self, name)
+            _need(
+                len(v) == 2 and all(type(x) is int and x > 0 for x in v),
+                f"{op}: {name}={v!r} is not two positive ints",
+            )
+        pads = self.padding
+        _need(len(pads) == 2, f"{op}: padding={pads!r} is not (low, high) per spatial dim")
+        for (lo, hi), k, d in zip(pads, self.kernel, self.dilation, strict=True):
+            ext = (k - 1) * d
+            _need(0 <= lo <= ext and 0 <= hi <= ext, f"{op}: padding {pads!r} beyond the kernel")
+
+    def out_hw(self, h: int, w: int) -> tuple[int, int]:
+        """The output's spatial extent for an ``h`` x ``w`` input."""
+        return tuple(
+            (n + lo + hi - (k - 1) * d - 1) // s + 1
+            for n, (lo, hi), k, d, s in zip(
+                (h, w), self.padding, self.kernel, self.dilation, self.strides, strict=True
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TakeAlong(Gather):
     """``out[r, j] = x[r, idx[r, j]]``: the node's inputs are ``x`` ``[R, n]`` and int32
     ``idx`` ``[R, m]``; ``mode`` and ``fill_value`` as a gather's, per element."""
@@ -429,6 +466,7 @@ PARAMS: dict[str, type[Params]] = {
     "update_slice": UpdateSlice,
     "sort": Sort,
     "take_along": TakeAlong,
+    "conv": Conv,
 }
 
 

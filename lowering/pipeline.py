@@ -20,6 +20,7 @@ from device_model.timing import kernel_cost
 
 from .graph import Graph, Var, check_graph
 from .indexing import expand_updates
+from .layout_pass import sink_transposes
 from .matmul_passes import (
     fuse_epilogue,
     narrow_matmul,
@@ -30,7 +31,7 @@ from .matmul_passes import (
 from .passes import dce, fuse_maps, to_maps
 from .prologue import fuse_prologue
 from .schedule import map_fits, schedule
-from .unfuse import unfuse
+from .unfuse import explicit_convs, unfuse
 
 __all__ = ["compile_graph", "graph_passes"]
 
@@ -87,11 +88,14 @@ def graph_passes(card: CardSpec) -> tuple[tuple[str, Callable[[Graph], Graph]], 
     """The graph passes in order, each bound to ``card`` where it looks at device layouts.
     Fusion asks the tiler whether each map it merges still fits ``card``'s scratchpad (a
     row-resident softmax needs its whole rows there); a norm's fusion into the matmuls after
-    it asks the scheduler and the timing model whether it saves time. The last pass splits a
-    fused matmul that the tiler cannot fit in whole blocks back into its map and matmul."""
+    it asks the scheduler and the timing model whether it saves time. A convolution with no
+    window that fits becomes an explicit im2col first. The last pass splits a fused matmul
+    that the tiler cannot fit in whole blocks back into its map and matmul."""
     fits = functools.partial(map_fits, card=card)
     return (
         ("expand_updates", expand_updates),
+        ("explicit_convs", functools.partial(explicit_convs, card=card)),
+        ("sink_transposes", sink_transposes),
         ("nt_matmul", nt_matmul),
         ("swap_matmul", swap_matmul),
         ("narrow_matmul", narrow_matmul),

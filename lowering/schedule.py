@@ -53,6 +53,7 @@ from .graph import Graph, Node, Var
 from .op_params import Map
 from .passes import is_free_reshape
 from .tile_concat import plan_concat
+from .tile_conv import plan_conv
 from .tile_gather import plan_gather
 from .tile_map import map_fits, plan_body, plan_map
 from .tile_matmul import plan_matmul
@@ -126,6 +127,7 @@ PLANNERS: dict[str, Callable[[TilingContext, Node], list[Stage]]] = {
     "concatenate": plan_concat,
     "sort": plan_sort,
     "take_along": plan_take_along,
+    "conv": plan_conv,
 }
 
 

@@ -2,7 +2,7 @@
 epilogue (an SFU map on each output block) or prologue (an SFU map on each lhs block).
 
 Whole blocks first: M rows dividing M, N and K in whole sticks dividing them; the estimator
-ranks every tiling that fits and the timing model times its best few (:func:`_pick_matmul`).
+ranks every tiling that fits and the timing model times its best few (:func:`pick_tiling`).
 When none fits, ragged blocks along M, N and K (K split across steps with fp32 partial sums;
 a last K block past K is masked), single-buffered as a last resort. A fused matmul must fit in
 whole blocks: the ``unfuse`` pass (:mod:`lowering.unfuse`) splits one that does not, asking
@@ -30,10 +30,17 @@ from . import tiling
 from .errors import TilingError
 from .graph import Node, Var, matmul_inputs
 
-__all__ = ["plan_matmul", "fits_whole", "matmul_stage", "epilogue_blocks", "prologue_blocks"]
+__all__ = [
+    "plan_matmul",
+    "fits_whole",
+    "matmul_stage",
+    "epilogue_blocks",
+    "prologue_blocks",
+    "pick_tiling",
+]
 
 
-#: how many of the estimator's best matmul tilings the timing model ranks (see _pick_matmul)
+#: how many of the estimator's best matmul tilings the timing model ranks (see pick_tiling)
 MATMUL_RANKED = 6
 
 
@@ -46,7 +53,7 @@ MATMUL_TIE = 0.01
 MATMUL_TIE_S = 0.2e-6
 
 
-def _pick_matmul(
+def pick_tiling(
     ctx: tiling.TilingContext,
     cands: list[tuple[float, int, int, tuple[int, int], int, bool]],
     build: Any,
@@ -136,7 +143,7 @@ def _whole_blocks(ctx: tiling.TilingContext, n: Node) -> tuple[list, list, list,
 
 def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -> Stage | None:
     """A matmul's stage in whole blocks (M rows dividing M, N and K in whole sticks dividing
-    them), the estimator's best few timed by the timing model (:func:`_pick_matmul`); the
+    them), the estimator's best few timed by the timing model (:func:`pick_tiling`); the
     search is done once per signature. TilingError when none fits; with ``dry``, None as soon
     as one tiling fits (nothing is estimated or built)."""
     key = _matmul_key(ctx, n)
@@ -195,14 +202,7 @@ def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -
             ) / bw
             # a round's stores drain over the next round's K steps; the last round's at the end
             store = per_step_tiles * tm * tno * lo.itemsize / bw
-            rounds = steps // gk
-            est = (
-                load
-                + gk * max(load, comp)
-                + (rounds - 1) * gk * max(load + store / gk, comp)
-                + store
-                + steps * tiling.STEP_OVERHEAD_S
-            )
+            est = tiling.pipelined_estimate(load, comp, store, gk, steps // gk)
             cands_all.append((est, steps, tm, (tn, tno), tk, m_inner))
     if not cands_all:
         raise TilingError(
@@ -235,7 +235,7 @@ def _matmul_stage_whole(ctx: tiling.TilingContext, n: Node, dry: bool = False) -
 
     if known is not None:
         return build(*known)
-    stage, choice = _pick_matmul(ctx, cands_all, build)
+    stage, choice = pick_tiling(ctx, cands_all, build)
     if key is not None:
         if len(_matmul_choices) >= MATMUL_CHOICES:
             _matmul_choices.clear()

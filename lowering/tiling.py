@@ -305,6 +305,20 @@ def describe(body: MapBody) -> str:
 STEP_OVERHEAD_S = 1e-7
 
 
+def pipelined_estimate(load: float, comp: float, store: float, gk: int, rounds: int) -> float:
+    """The tiler's estimate of a K-looped stage of ``rounds`` rounds of ``gk`` steps: the first
+    step's loads, then each step the slower of its compute and the next loads, a round's stores
+    draining over the next round's K steps and the last round's at the end, plus the fixed cost
+    of every step (:data:`STEP_OVERHEAD_S`)."""
+    return (
+        load
+        + gk * max(load, comp)
+        + (rounds - 1) * gk * max(load + store / gk, comp)
+        + store
+        + rounds * gk * STEP_OVERHEAD_S
+    )
+
+
 class NoFit(TilingError):
     """No tiling of this shape fits; ``need``: the bytes the smallest one needs."""
 

@@ -1,6 +1,9 @@
 """The unfuse pass: a matmul whose fused epilogue or prologue leaves it no tiling in whole
 blocks (its operands' blocks beside the matmul's own need more scratchpad than the card has),
 or that multiplies over an empty K, goes back to the map and the matmul it was fused from.
+Before fusion, :func:`explicit_convs` makes a ``conv`` node no window of whose input fits the
+scratchpad (:func:`lowering.tile_conv.conv_fits`) an explicit im2col
+(:func:`lowering.conv_ops.explicit`).
 
 It asks the tiler (:func:`lowering.tile_matmul.fits_whole`) and takes the prologue out first,
 then the epilogue, until the matmul fits or has no fused part left; the tiler itself never
@@ -13,12 +16,14 @@ from __future__ import annotations
 
 from device_model.card import CardSpec
 
+from .conv_ops import explicit
 from .graph import Graph, Node
 from .matmul_passes import unfuse_epilogue
 from .prologue import unfuse_prologue
+from .tile_conv import conv_fits
 from .tile_matmul import fits_whole
 
-__all__ = ["unfuse"]
+__all__ = ["unfuse", "explicit_convs"]
 
 
 def _must_unfuse(n: Node, card: CardSpec) -> bool:
@@ -44,3 +49,20 @@ def unfuse(g: Graph, card: CardSpec) -> Graph:
     if not changed:
         return g
     return Graph(g.name, g.inputs, tuple(out), g.outputs, g.consts)
+
+
+def explicit_convs(g: Graph, card: CardSpec) -> Graph:
+    """``g`` with every ``conv`` node that has no tiling on ``card`` lowered as an explicit
+    im2col (run before fusion: the pad, slices and concatenation fuse as any others)."""
+    out: list[Node] = []
+    consts = list(g.consts)
+    for n in g.nodes:
+        if n.op == "conv" and not conv_fits(n, card):
+            nodes, made = explicit(n)
+            out.extend(nodes)
+            consts.extend(made)
+        else:
+            out.append(n)
+    if len(out) == len(g.nodes):
+        return g
+    return Graph(g.name, g.inputs, tuple(out), g.outputs, tuple(consts))

@@ -65,6 +65,7 @@ def test_every_op_has_a_params_class():
         "update_slice",
         "sort",
         "take_along",
+        "conv",
     }
     assert all(issubclass(c, Params) for c in PARAMS.values())
 

@@ -30,6 +30,7 @@ def test_every_scheduled_op_kind_has_one_plan_function():
         "concatenate",
         "sort",
         "take_along",
+        "conv",
     }
     assert TIERS == (Tier.WHOLE, Tier.RAGGED, Tier.SINGLE)
 

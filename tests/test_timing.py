@@ -162,7 +162,7 @@ def test_schedules_within_the_goal_of_the_bound():
     # issue 12's shapes, compiled (not run): every matmul schedule within 1.15x of the external
     # bound: square, Granite prefill, decode, attention's batched matmuls, GPT-2 and Llama-1B
     # and the demo's block and a Llama-3-8B layer (prefill 512) within 1.3x of the sum of their
-    # stages' own bounds
+    # stages' own bounds; the convolutions apart
     from spyre_jax.tools.bench_schedules import BLOCK_GOAL, BLOCKS, GOAL, bench_schedules
 
     res = bench_schedules()
@@ -171,6 +171,11 @@ def test_schedules_within_the_goal_of_the_bound():
         if name in BLOCKS:
             assert 1.0 - 1e-9 <= r["stages_bound_ratio"] <= BLOCK_GOAL, (name, r)
             assert r["bound_us"] <= r["stages_bound_us"], (name, r)
+        elif r["family"] == "conv":
+            # ResNet-50's convolutions as implicit GEMMs (not held to the matmul goal): within
+            # 2x but for the 3-channel stem, whose 64-element sticks hold 3 useful channels
+            assert 1.0 - 1e-9 <= r["bound_ratio"], (name, r)
+            assert "stem" in name or r["bound_ratio"] <= 2.0, (name, r)
         else:
             assert 1.0 - 1e-9 <= r["bound_ratio"] <= GOAL, (name, r)
     assert set(BLOCKS) <= set(res)
@@ -236,7 +241,7 @@ def test_m_fastest_tiles_compute_the_product():
     import lowering.tile_matmul as sch
 
     picked = []
-    orig = sch._pick_matmul
+    orig = sch.pick_tiling
 
     def spy(ctx, cands, build):
         st, tiling = orig(ctx, cands, build)
@@ -247,7 +252,7 @@ def test_m_fastest_tiles_compute_the_product():
     a = jnp.asarray(rng.standard_normal((128, 256)), jnp.float16)
     b = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float16)
     mp = pytest.MonkeyPatch()
-    mp.setattr(sch, "_pick_matmul", spy)
+    mp.setattr(sch, "pick_tiling", spy)
     mp.setattr(sch, "_matmul_choices", {})  # searched, not taken from an earlier identical one
     try:
         got = np.asarray(spyre_jax.jit(_mm16)(a, b)).astype(np.float32)
@@ -271,13 +276,13 @@ def test_identical_matmuls_are_tiled_once(monkeypatch):
     import lowering.tile_matmul as sch
 
     calls = []
-    orig = sch._pick_matmul
+    orig = sch.pick_tiling
 
     def spy(ctx, cands, build):
         calls.append(1)
         return orig(ctx, cands, build)
 
-    monkeypatch.setattr(sch, "_pick_matmul", spy)
+    monkeypatch.setattr(sch, "pick_tiling", spy)
     monkeypatch.setattr(sch, "_matmul_choices", {})
 
     def layers(x, w1, w2, w3, w4):

@@ -343,12 +343,15 @@ def _fallback_ok(fn, *xs):
     return tb.fallback_stats()
 
 
-def test_mask_with_a_value_per_element_runs_on_the_cpu():
-    # x[mask] = v with one value per masked element: the layout depends on the data
+def test_mask_with_a_value_per_element_runs_on_the_card():
+    # x[mask] = v with one value per masked element: the j-th true position takes v[j] (its
+    # running count of the mask, gathered on the card)
     x = _x(F32, (4, 6))
     n = int((x > 0).sum())
-    fb = _fallback_ok(lambda a: aten.index_put(a, [a > 0], torch.arange(float(n))), x)
-    assert fb.get("aten.index_put.default", 0) >= 1
+    v = torch.arange(float(n))
+    fn = lambda a, u: aten.index_put(a, [a > 0], u)  # noqa: E731
+    assert_close(_run_compiled(fn, x, v), fn(x, v))
+    assert_close(_run_eager(fn, x, v), fn(x, v))
 
 
 def test_a_match_past_the_bound_runs_on_the_cpu():

@@ -40,7 +40,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from device_model import runtime as card_runtime
 
-from . import attention, eager, overrideable, rng
+from . import attention, batch_norm, eager, overrideable, rng
 from .errors import UnsupportedLayoutError
 from .host_ops import write_out
 from .storage import (
@@ -442,6 +442,7 @@ def register() -> None:
         rng.register(lib)
         eager.register_kernels(lib)
         attention.register(lib)
+        batch_norm.register(lib)
         overrideable.register(lib)
         fb = torch.library.Library("_", "IMPL")
         _libs.append(fb)

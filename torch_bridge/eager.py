@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -544,8 +544,16 @@ def _same_results(gm: torch.fx.GraphModule, out: Any) -> bool:
     )
 
 
-#: decompositions of our own ops (``spyre_jax::attention``) beside core ATen's (:func:`_decomposed`)
-DECOMPOSITIONS: dict[Any, Any] = {}
+#: decompositions beside core ATen's (:func:`_decomposed`): our own ops' (set by their owners)
+#: and the interpolations core ATen keeps whole (compiled graphs meet their ``.vec`` forms)
+DECOMPOSITIONS: dict[Any, Any] = {
+    op: decomposition_table[op]
+    for op in (
+        aten.upsample_bilinear2d.default,
+        aten.upsample_bicubic2d.default,
+        aten.upsample_trilinear3d.default,
+    )
+}
 
 
 def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:

@@ -15,7 +15,9 @@ on the simulated card; the figures are the compiled schedule's ``cost_analysis()
 The shapes: square (1024-4096), Granite-3.3-8B prefill of 512 (512 x 4096 x {1024, 4096, 12800,
 14336}), decode (1, 16 and 64 rows x 4096 x {4096, 12800}), attention's batched matmuls (32
 heads of 128, 512 queries: scores Q K^T and the weighted sum P V; one decode query over 2048
-keys), and GPT-2 small's and Llama-3.2-1B's projections.
+keys), GPT-2 small's and Llama-3.2-1B's projections, and ResNet-50's convolutions, channels-last
+(implicit GEMMs, :mod:`lowering.tile_conv`; family ``conv``: reported, not held to the matmul
+goal).
 
 Then whole blocks (:data:`BLOCKS`): the demo's GPT-style block and a Llama-3-8B decoder layer at a
 prefill of 512 (width 4096, 32 heads, 8 KV heads, MLP 14336), each against the sum of its
@@ -62,6 +64,22 @@ def _mm(m: int, k: int, n: int) -> tuple[Callable[..., Any], tuple[tuple[int, ..
     return _matmul, ((m, k), (k, n))
 
 
+def _conv(
+    size: int, cin: int, cout: int, k: int, s: int
+) -> tuple[Callable[..., Any], tuple[tuple[int, ...], ...]]:
+    """A ResNet-50 convolution, channels-last (NHWC input, HWIO kernel: no re-layout around
+    it), ``k // 2`` padding, fp32 accumulation rounded to fp16."""
+
+    def conv(x: jax.Array, w: jax.Array) -> jax.Array:
+        dn = ("NHWC", "HWIO", "NHWC")
+        pad = ((k // 2, k // 2),) * 2
+        return jax.lax.conv_general_dilated(
+            x, w, (s, s), pad, dimension_numbers=dn, preferred_element_type=jnp.float32
+        ).astype(jnp.float16)
+
+    return conv, ((1, size, size, cin), (k, k, cin, cout))
+
+
 #: name -> (function, argument shapes (fp16), family)
 CASES: dict[str, tuple[Callable[..., Any], tuple[tuple[int, ...], ...], str]] = {
     **{f"square-{s}": (*_mm(s, s, s), "square") for s in (1024, 2048, 4096)},
@@ -81,6 +99,12 @@ CASES: dict[str, tuple[Callable[..., Any], tuple[tuple[int, ...], ...], str]] = 
     "gpt2-128x3072x768": (*_mm(128, 3072, 768), "gpt2"),
     "llama1b-512x2048x8192": (*_mm(512, 2048, 8192), "llama-3.2-1b"),
     "llama1b-512x8192x2048": (*_mm(512, 8192, 2048), "llama-3.2-1b"),
+    # convolutions (implicit GEMMs): reported beside the matmuls, not held to their goal
+    "conv-stem-224x3x64-7s2": (*_conv(224, 3, 64, 7, 2), "conv"),
+    "conv-56x64x64-3": (*_conv(56, 64, 64, 3, 1), "conv"),
+    "conv-56x128x128-3s2": (*_conv(56, 128, 128, 3, 2), "conv"),
+    "conv-14x256x256-3": (*_conv(14, 256, 256, 3, 1), "conv"),
+    "conv-7x512x512-3": (*_conv(7, 512, 512, 3, 1), "conv"),
 }
 
 
@@ -197,7 +221,7 @@ def run_case(name: str) -> dict[str, Any]:
         "sim_us": float(cost["sim_time_us"]),
         "bound_us": float(cost["bound_us"]),
         "bound_ratio": ratio,
-        "within_goal": ratio <= GOAL,
+        "within_goal": ratio <= GOAL or family == "conv",
         "unit": cost["bound"],
         "stages": int(cost["num_stages"]),
         "steps": sum(int(s["steps"]) for s in mm),
@@ -227,9 +251,12 @@ def format_schedules(res: dict[str, dict[str, Any]]) -> str:
             f"{name:<36}{r['sim_us']:>10.1f}{r['bound_us']:>10.1f}{r['bound_ratio']:>8.3f}"
             f"{r['steps']:>7}  {r['unit']}{'' if r['within_goal'] else '  (over the goal)'}"
         )
-    if res:
-        worst = max(res, key=lambda n: res[n]["bound_ratio"])
-        lines.append(f"worst: {worst} at {res[worst]['bound_ratio']:.3f} (goal {GOAL})")
+    held = {n: r for n, r in res.items() if r["family"] != "conv"}
+    if held:
+        worst = max(held, key=lambda n: held[n]["bound_ratio"])
+        lines.append(
+            f"worst: {worst} at {held[worst]['bound_ratio']:.3f} (goal {GOAL}; convolutions apart)"
+        )
     if blocks:
         lines.append("")
         lines.append(
