@@ -367,8 +367,8 @@ def _check_window(s: Stage, win: Any) -> None:
     """A convolution's blocks: a window ``[1, rows_in, cols_in, tc]`` its taps fit in, an rhs
     ``[taps, tc, tn]`` of as many channels, an output block of the window's pixels."""
     lhs, rhs = s.inputs[0].block, s.inputs[1].block
-    if s.step.epilogue is not None or s.step.prologue is not None or len(lhs) != 4:
-        raise ScheduleError("a convolution's matmul reads a 4-D window and fuses no map")
+    if s.step.prologue is not None or len(lhs) != 4:
+        raise ScheduleError("a convolution's matmul reads a 4-D window and fuses no prologue")
     rows, cols = win.extent
     if lhs[0] != 1 or lhs[1] < rows or lhs[2] < cols:
         raise ScheduleError(f"window block {list(lhs)} does not hold {rows}x{cols} input pixels")

@@ -17,7 +17,8 @@ as ``[C * taps, N * OH * OW]`` for ``kernel @ patches``; a grouped convolution's
 channels-last patches ``[N, OH, OW, taps, C]`` (one strided slice per kernel tap, concatenated;
 where the stride equals the kernel and nothing overlaps, a ViT's patch embedding, a reshape and
 a transpose) feed a batched matmul, the groups its batch (``[G, M, taps * C/G] x [G, taps * C/G,
-O/G]``), so a depthwise convolution is ``C`` small matmuls. A ``conv`` node whose smallest
+O/G]``). A depthwise convolution (one channel per group, one output each) is a windowed
+multiply-add on the SFUs instead (:func:`_conv_depthwise`). A ``conv`` node whose smallest
 window does not fit the scratchpad is lowered the same way by the ``unfuse`` pass
 (:func:`explicit`). The products accumulate in fp32 and round once to the output dtype, as the
 card's matmuls do.
@@ -107,6 +108,51 @@ def _taps(b: Builder, xl: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[
     return b.concat(pieces, 3)
 
 
+def _conv_depthwise(
+    b: Builder,
+    x: Var,
+    w: Var,
+    k: tuple[int, int],
+    s: tuple[int, int],
+    d: tuple[int, int],
+    dt: str,
+) -> Var:
+    """A depthwise convolution (one input channel per group, one output per group) on the
+    padded ``x`` ``[N, C, Hp, Wp]`` as a windowed multiply-add on the SFUs: for each kernel tap
+    the strided slice it reads times that tap's per-channel weight, summed in fp32 and rounded
+    once to ``dt`` (one fused map, the slices views of the input: no patches stored). On the PE
+    each channel would be a matmul of one output column in a 64-wide stick."""
+    N, C, Hp, Wp = x.shape
+    (KH, KW), (sh, sw), (dh, dw) = k, s, d
+    OH, OW = (Hp - (KH - 1) * dh - 1) // sh + 1, (Wp - (KW - 1) * dw - 1) // sw + 1
+    shape = (N, C, OH, OW)
+    acc: Var | None = None
+    for kh in range(KH):
+        for kw in range(KW):
+            h0, w0 = kh * dh, kw * dw
+            part = b.emit(
+                "slice",
+                [x],
+                shape,
+                x.dtype,
+                starts=(0, 0, h0, w0),
+                limits=(N, C, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1),
+                strides=(1, 1, sh, sw),
+            )
+            tap = b.reshape(b.slice_dim(b.slice_dim(w, 2, kh, kh + 1), 3, kw, kw + 1), (C,))
+            wt = b.emit("broadcast", [tap], shape, tap.dtype, shape=shape, dims=(1,))
+            f32 = [
+                v
+                if v.dtype == "float32"
+                else b.emit("convert", [v], shape, "float32", dtype="float32")
+                for v in (part, wt)
+            ]
+            prod = b.elementwise("mul", f32, shape, "float32")
+            acc = prod if acc is None else b.elementwise("add", [acc, prod], shape, "float32")
+    assert acc is not None
+    return acc if dt == "float32" else b.emit("convert", [acc], shape, dt, dtype=dt)
+
+
 def _conv_implicit(
     b: Builder,
     xl: Var,
@@ -162,7 +208,7 @@ def explicit(n: Node) -> tuple[list[Node], list[tuple[Var, np.ndarray]]]:
     ``conv`` node's own output. For a convolution no window of which fits the scratchpad."""
     b = Builder()
     b.source = n.source
-    xl, wk = n.inputs
+    xl, wk = n.inputs[:2]
     p = n.params
     T, C, Co = wk.shape
     cfg = [(0, 0, 0), *((lo, hi, 0) for lo, hi in p.padding), (0, 0, 0)]
@@ -219,6 +265,12 @@ def conv(
     disjoint = all(
         s >= (kk - 1) * d + 1 for s, kk, d in zip(strides, (KH, KW), rhs_dilation, strict=True)
     )
+    if G == C and Cg == 1 and Co == C:  # depthwise: a windowed multiply-add on the SFUs
+        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
+        if any(c != (0, 0, 0) for c in cfg):
+            x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
+        out = _conv_depthwise(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
+        return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     if G == 1 and C < FEW_CHANNELS and disjoint:
         cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
         if any(c != (0, 0, 0) for c in cfg):

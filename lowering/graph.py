@@ -254,18 +254,24 @@ def _r_matmul(n: Node) -> list:
         ins.insert(lslot, a)
         lhs = Var(a.shape, pro.out_dtype, -1)  # what the PE multiplies (no id drawn)
         _r_map(Node("map", tuple(ins), (lhs,), Map(pro), n.source))
+    return _with_epilogue(n, shape, npro)
+
+
+def _with_epilogue(n: Node, shape: tuple[int, ...], npro: int = 0) -> list:
+    """A matmul's or a convolution's output type: its product's ``shape`` in its dtype, or
+    what its epilogue makes of it (an elementwise map over the product's shape; its input
+    acc_slot is the product, read one-to-one, the others are the node's inputs past the rhs
+    and before a prologue's)."""
+    op = n.op
     if n.params.epilogue is None:
-        _need(len(n.inputs) == 2 + npro, "matmul: inputs past lhs and rhs need an epilogue")
+        _need(len(n.inputs) == 2 + npro, f"{op}: inputs past lhs and rhs need an epilogue")
         return [(shape, n.params.dtype)]
-    # the epilogue: an elementwise map over the product's shape; its input acc_slot is the
-    # product (read one-to-one), the others are the node's inputs past lhs and rhs (and
-    # before the prologue's)
     ep, slot = n.params.epilogue.body, n.params.epilogue.slot
-    _need(len(ep.views) == len(n.inputs) - 1 - npro, "matmul: one epilogue view per input past rhs")
-    _need(0 <= slot < len(ep.views), f"matmul: epilogue acc_slot {slot} out of range")
-    _need(ep.space == shape, f"matmul: epilogue space {ep.space} is not the product's {shape}")
-    _need(not ep.reduce and not ep.program_reduce_axes(), "matmul: the epilogue reduces")
-    _need(ep.views[slot] == InputView.identity(3), "matmul: the epilogue reads the product 1:1")
+    _need(len(ep.views) == len(n.inputs) - 1 - npro, f"{op}: one epilogue view per input past rhs")
+    _need(0 <= slot < len(ep.views), f"{op}: epilogue acc_slot {slot} out of range")
+    _need(ep.space == shape, f"{op}: epilogue space {ep.space} is not the product's {shape}")
+    _need(not ep.reduce and not ep.program_reduce_axes(), f"{op}: the epilogue reduces")
+    _need(ep.views[slot] == InputView.identity(3), f"{op}: the epilogue reads the product 1:1")
     extras = list(matmul_inputs(n)[2])
     extras.insert(slot, Var(shape, n.params.dtype, -1))  # the product (no id drawn)
     _r_map(Node("map", tuple(extras), n.outputs, Map(ep), n.source))
@@ -289,8 +295,8 @@ def _r_sort(n: Node) -> list:
 
 
 def _r_conv(n: Node) -> list:
-    _need(len(n.inputs) == 2, "conv: an input and a kernel")
-    x, w = n.inputs
+    _need(len(n.inputs) >= 2, "conv: an input and a kernel")
+    x, w = n.inputs[:2]
     p = n.params
     _need(len(x.shape) == 4, f"conv: the input must be [N, H, W, C], not {list(x.shape)}")
     taps = p.kernel[0] * p.kernel[1]
@@ -301,7 +307,7 @@ def _r_conv(n: Node) -> list:
     _need(x.dtype == w.dtype, f"conv: input {x.dtype} and kernel {w.dtype} differ")
     oh, ow = p.out_hw(*x.shape[1:3])
     _need(oh > 0 and ow > 0, f"conv: the kernel is larger than the padded input {x.shape}")
-    return [((x.shape[0], oh * ow, w.shape[2]), p.dtype)]
+    return _with_epilogue(n, (x.shape[0], oh * ow, w.shape[2]))
 
 
 def _r_take_along(n: Node) -> list:

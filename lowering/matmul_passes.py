@@ -7,6 +7,7 @@ way). Pure functions from graph to graph, like :mod:`lowering.passes`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from device_model.card import CardSpec
@@ -25,6 +26,7 @@ __all__ = [
     "fuse_epilogue",
     "unfuse_epilogue",
     "EPILOGUE_INPUTS",
+    "EPILOGUE_VECTORS",
 ]
 
 
@@ -247,6 +249,22 @@ def sink_and_fuse(g: Graph, card: CardSpec, fits: Callable[[Node], bool] | None 
 EPILOGUE_INPUTS = 3
 
 
+#: an epilogue may read this many per-channel vectors (of at most the output's last dim: a
+#: block of them is one output block's columns) beyond EPILOGUE_INPUTS: a convolution's bias
+#: and a batch norm's mean, variance, scale and shift
+EPILOGUE_VECTORS = 6
+
+
+def _epilogue_inputs_fit(src: Node, extras: tuple[Var, ...]) -> bool:
+    """Whether a map's other inputs may ride ``src``'s store: at most :data:`EPILOGUE_INPUTS`
+    tensors, and :data:`EPILOGUE_VECTORS` per-channel vectors besides."""
+    width = src.out.shape[-1]
+    vectors = sum(1 for u in extras if math.prod(u.shape) <= width)
+    if len(extras) <= EPILOGUE_INPUTS:
+        return True
+    return len(extras) - vectors <= EPILOGUE_INPUTS and vectors <= EPILOGUE_VECTORS
+
+
 def _lift(body: MapBody, slot: int) -> MapBody:
     """A map body over ``space`` as one over ``(1, *space)`` (the product's leading batch of 1),
     its input ``slot`` (the product) read one-to-one with that batch dim."""
@@ -266,13 +284,15 @@ def fuse_epilogue(g: Graph) -> Graph:
     The product never goes to device memory and back, and the map's stage is gone. The map's
     other inputs (at most :data:`EPILOGUE_INPUTS`) become the matmul's inputs past the rhs. The
     results are the unfused ones: the product is rounded to the matmul's dtype first, as it was
-    stored. The scheduler falls back to the two stages when the fused one does not fit."""
+    stored. The scheduler falls back to the two stages when the fused one does not fit. A
+    convolution takes an epilogue the same way (a batch norm, a ReLU, a residual add); per-channel
+    vectors are counted apart (:data:`EPILOGUE_VECTORS`)."""
     uses = use_counts(g)
     made = {o.id: n for n in g.nodes for o in n.outputs}
     drop: set[int] = set()
     replace: dict[int, list[Node]] = {}
     for c in g.nodes:
-        if c.op != "map" or len(c.inputs) - 1 > EPILOGUE_INPUTS:
+        if c.op != "map" or len(c.inputs) - 1 > EPILOGUE_INPUTS + EPILOGUE_VECTORS:
             continue
         body: MapBody = c.params.body
         if body.reduce or body.program_reduce_axes():
@@ -288,22 +308,24 @@ def fuse_epilogue(g: Graph) -> Graph:
             if (
                 src is None
                 or id(src) in drop
-                or src.op != "matmul"
+                or src.op not in ("matmul", "conv")
                 or src.params.epilogue is not None
                 or 0 in src.out.shape
-                or src.inputs[0].shape[2] == 0
+                or 0 in src.inputs[0].shape
                 or body.space != v.shape
             ):
                 continue
-            ep = _lift(body, slot) if mid is not None else body
             extras = tuple(u for i, u in enumerate(c.inputs) if i != slot)
+            if not _epilogue_inputs_fit(src, extras):
+                continue
+            ep = _lift(body, slot) if mid is not None else body
             ps = dataclasses.replace(src.params, epilogue=Fused(ep, slot))
             if mid is None:
-                nodes = [Node("matmul", src.inputs + extras, c.outputs, ps, src.source)]
+                nodes = [Node(src.op, src.inputs + extras, c.outputs, ps, src.source)]
             else:
                 y = Var(src.out.shape, body.out_dtype)
                 nodes = [
-                    Node("matmul", src.inputs + extras, (y,), ps, src.source),
+                    Node(src.op, src.inputs + extras, (y,), ps, src.source),
                     Node("reshape", (y,), c.outputs, Reshape(c.out.shape), mid.source),
                 ]
                 drop.add(id(mid))
@@ -323,6 +345,6 @@ def unfuse_epilogue(n: Node) -> list[Node]:
     extras = list(ep_ins)
     extras.insert(slot, prod)
     return [
-        Node("matmul", (a, b, *pro_ins), (prod,), ps, n.source),
+        Node(n.op, (a, b, *pro_ins), (prod,), ps, n.source),
         Node("map", tuple(extras), n.outputs, Map(ep), n.source),
     ]

@@ -403,16 +403,35 @@ class Conv(Params):
     """A 2-D convolution as an implicit GEMM: the node's inputs are the channels-last input
     ``[N, H, W, C]`` and the kernel ``[KH * KW, C, O]`` (taps row-major), its output ``[N, OH *
     OW, O]`` in ``dtype`` (fp32 accumulation). ``padding``: zeros around the input, ``(low,
-    high)`` per spatial dim, each at most the kernel's extent less one (more is padded before)."""
+    high)`` per spatial dim, each at most the kernel's extent less one (more is padded before).
+    After fusion an ``epilogue`` (as a matmul's: over the output ``[N, OH * OW, O]``, its
+    inputs the node's past the kernel; printed with its slot as ``acc_slot``)."""
 
     dtype: str
     kernel: tuple[int, int]
     strides: tuple[int, int]
     dilation: tuple[int, int]
     padding: tuple[tuple[int, int], tuple[int, int]]
+    epilogue: Fused | None = None
+    _quiet: ClassVar[tuple[str, ...]] = ("epilogue",)
+
+    @property
+    def prologue(self) -> None:
+        """A convolution fuses no prologue (the node's inputs past the kernel are the
+        epilogue's: :func:`lowering.graph.matmul_inputs` reads them as a matmul's)."""
+        return None
+
+    def items(self) -> tuple[tuple[str, Any], ...]:
+        out = [kv for kv in Params.items(self) if kv[0] != "epilogue"]
+        if self.epilogue is not None:
+            out += [("epilogue", self.epilogue.body), ("acc_slot", self.epilogue.slot)]
+        return tuple(sorted(out, key=lambda kv: kv[0]))
 
     def check(self, op: str) -> None:
         _dtype(op, "dtype", self.dtype)
+        if self.epilogue is not None:
+            _need(isinstance(self.epilogue, Fused), f"{op}: epilogue is not a Fused")
+            _body(op, "epilogue", self.epilogue.body)
         for name in ("kernel", "strides", "dilation"):
             v = getattr(self, name)
             _need(

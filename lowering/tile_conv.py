@@ -11,7 +11,9 @@ never stored in device memory. The PE reads the window's patches in place
 (:class:`~device_model.steps.ConvWindow`): no patch matrix is written to device memory, and the
 input is read about once (the halo rows twice) rather than ``taps`` times, as an explicit
 im2col would. The channels are the K loop, split in whole sticks when a window of all of them
-does not fit, the rhs block ``[taps, tc, tn]`` then one stick-block of every tap.
+does not fit, the rhs block ``[taps, tc, tn]`` then one stick-block of every tap. A fused
+epilogue (a batch norm, a ReLU, a residual add: :func:`lowering.matmul_passes.fuse_epilogue`)
+runs on each output block on its way to the store, as a matmul's does.
 
 The tilings that fit in whole blocks (``r`` dividing OH, ``tn`` and ``tc`` whole sticks dividing
 theirs) are ranked by the matmul's estimator and the best few timed by the timing model
@@ -32,7 +34,7 @@ from device_model.steps import ConvWindow, MatmulStep
 from . import tiling
 from .errors import TilingError
 from .graph import Node
-from .tile_matmul import pick_tiling
+from .tile_matmul import epilogue_blocks, pick_tiling
 
 __all__ = ["plan_conv", "conv_fits"]
 
@@ -42,7 +44,7 @@ def _conv_stage(
 ) -> Stage:
     """The stage of one tiling: ``r`` output rows, ``tn`` (accumulator) / ``tno`` (output)
     channels, ``tc`` input channels per K step (``tc`` = C: the whole K, one step)."""
-    x, w = n.inputs
+    x, w = n.inputs[:2]
     p = n.params
     lx, lw, lo = ctx.layout(x), ctx.layout(w), ctx.layout(n.out)
     N, _, _, C = x.shape
@@ -66,6 +68,7 @@ def _conv_stage(
     )
     rhs = Operand(ctx.name(w), (T, tc, tn), (-1, -1 if whole_k else 3, 2), "rhs")
     out = Operand(ctx.name(n.out), (1, r * OW, tno), (0, 1, 2), "out")
+    ep = epilogue_blocks(ctx, n, r * OW, tno)
     steps = -(-(grid[0] * grid[1] * grid[2]) // ctx.ncores) * grid[3]
     slots = 2 if steps > 1 else 1
     scratch = ctx.sp_plan(
@@ -75,26 +78,37 @@ def _conv_stage(
             ("acc", (1, r * OW, tn), "float32", 1),
             ("out", out.block, lo.dtype, slots),
         ]
+        + [
+            (op.sp, op.block, lay.dtype, slots)
+            for op, lay in zip(ep.operands, ep.layouts, strict=True)
+        ]
     )
     tabs = tiling.step_tables(
         grid,
-        [lhs, rhs, out],
-        [lx, lw, lo],
+        [lhs, rhs, *ep.operands, out],
+        [lx, lw, *ep.layouts, lo],
         ctx.ncores,
         reduce_axis=3,
         tile_order=(0, 2, 1) if m_inner else None,
+        last_only=frozenset(range(2, 2 + len(ep.operands))),
     )
-    step = MatmulStep(k_logical=T * C, out_dtype=p.dtype, window=win)
+    sfu = flops = 0
+    if ep.body is not None:
+        sfu, flops = tiling.map_work(ep.body, ctx.card)
+    step = MatmulStep(
+        k_logical=T * C, out_dtype=p.dtype, window=win, epilogue=ep.body, acc_slot=ep.slot
+    )
     return Stage(
         name=f"s{len(ctx.stages)}",
         grid=grid,
         reduce_axis=3,
-        inputs=(lhs, rhs),
+        inputs=(lhs, rhs, *ep.operands),
         output=out,
         scratch=scratch,
         step=step,
         **tabs,
-        flops=2 * N * OH * OW * Co * T * C,
+        flops=2 * N * OH * OW * Co * T * C + flops,
+        sfu_elem_ops=sfu,
         source=n.source,
     )
 
@@ -103,7 +117,7 @@ def _candidates(ctx: tiling.TilingContext, n: Node, dry: bool) -> list:
     """Every whole-block tiling that fits, with the estimator's time (the matmul's, with the
     window's bytes for the lhs): ``(estimate s, steps, r, (tn, tno), tc, m_inner)``. With
     ``dry``, stops at the first that fits."""
-    x, w = n.inputs
+    x, w = n.inputs[:2]
     p = n.params
     lx, lw, lo = ctx.layout(x), ctx.layout(w), ctx.layout(n.out)
     N, _, _, C = x.shape
@@ -118,6 +132,7 @@ def _candidates(ctx: tiling.TilingContext, n: Node, dry: bool) -> list:
     split_c = lx.device_shape[3] == C and C % lx.elems_per_stick == 0
     tc_c = tiling.stick_blocks(C, lx.elems_per_stick) if split_c else [C]
     out = []
+    ep_items: dict[tuple[int, int], list[tuple[tuple[int, ...], str]]] = {}
     for r, (tn, tno), tc in product(tiling.divisors(OH), tn_c, tc_c):
         rows, cols = ConvWindow(p.kernel, p.strides, p.dilation, r, OW).extent
         tcp = lx.device_shape[3] if tc == C else tc
@@ -125,9 +140,11 @@ def _candidates(ctx: tiling.TilingContext, n: Node, dry: bool) -> list:
         ntiles = N * gm * gn
         steps = -(-ntiles // ctx.ncores) * gk
         slots = 2 if steps > 1 else 1
+        if (r, tno) not in ep_items:  # an epilogue's operands, in blocks of the output's
+            ep_items[r, tno] = epilogue_blocks(ctx, n, r * OW, tno).plan_items()
         plan = (
             ctx.plan_bytes([((1, rows, cols, tcp), lx.dtype), ((T, tc, tn), lw.dtype)], slots)
-            + ctx.plan_bytes([((1, r * OW, tno), lo.dtype)], slots)
+            + ctx.plan_bytes([((1, r * OW, tno), lo.dtype)] + ep_items[r, tno], slots)
             + ctx.plan_bytes([((1, r * OW, tn), "float32")], 1)
         )
         if plan > ctx.cap:
@@ -155,7 +172,7 @@ def plan_conv(ctx: tiling.TilingContext, n: Node) -> list[Stage]:
     ``unfuse`` pass lowers such a convolution explicitly first)."""
     cands = _candidates(ctx, n, dry=False)
     if not cands:
-        x, w = n.inputs
+        x, w = n.inputs[:2]
         raise TilingError(
             f"spyre: convolution of {list(x.shape)} by {list(w.shape)}: no window of its input "
             f"fits the usable scratchpad ({ctx.cap} B per core)"

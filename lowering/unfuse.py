@@ -27,6 +27,8 @@ __all__ = ["unfuse", "explicit_convs"]
 
 
 def _must_unfuse(n: Node, card: CardSpec) -> bool:
+    if n.op == "conv":
+        return n.params.epilogue is not None and not conv_fits(n, card)
     if n.op != "matmul" or (n.params.prologue is None and n.params.epilogue is None):
         return False
     return n.inputs[0].shape[2] == 0 or not fits_whole(n, card)

@@ -190,3 +190,81 @@ def test_nhwc_input_and_hwio_kernel():
         return lax.conv_general_dilated(a, b, (1, 1), "SAME", dimension_numbers=dn)
 
     _close(spyre_jax.jit(f)(xh, wh), jax.jit(f)(xh, wh), F32)
+
+
+# ---------------------------------------------------------------------------------------------
+# depthwise: a windowed multiply-add on the SFUs
+
+
+def test_a_depthwise_convolution_is_one_windowed_multiply_add_not_matmuls():
+    f = lambda a, b: lax.conv_general_dilated(  # noqa: E731
+        a, b, (2, 1), ((1, 2), (0, 1)), rhs_dilation=(1, 2), feature_group_count=24
+    )
+    for dt in (F32, F16):
+        x, w = _data(2, 24, 9, 11, 24, 3, 3, dt, seed=8)
+        w = w[:, :1]  # [C, 1, KH, KW]
+        k = _kernel(f, x, w)
+        assert not [s for s in k.stages if s.kind == "matmul"]
+        # fp32 sums of 9 products; fp16: the products summed in fp32, rounded once
+        _close(spyre_jax.jit(f)(x, w), jax.jit(f)(x.astype(F32), w.astype(F32)), dt)
+
+
+def test_a_depthwise_convolution_through_torch_compile():
+    import torch
+
+    torch.manual_seed(0)
+    m = torch.nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=32).eval()
+    x = torch.randn(1, 32, 15, 15)
+    with torch.no_grad():
+        got = torch.compile(m, backend="spyre", dynamic=False)(x)
+        want = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# an epilogue on the convolution's store
+
+
+def test_bias_and_relu_ride_the_convolutions_store():
+    # channels-last (NCHW would end in the result's re-layout, which the bias and the ReLU
+    # ride instead: the same traffic)
+    def f(x, w, b):
+        dn = ("NHWC", "HWIO", "NHWC")
+        y = lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=dn)
+        return jnp.maximum(y + b, 0.0)
+
+    x, w = _data(1, 32, 8, 9, 40, 3, 3, F16, seed=10)
+    x, w = np.transpose(x, (0, 2, 3, 1)), np.transpose(w, (2, 3, 1, 0))
+    b = np.random.default_rng(11).standard_normal(40).astype(F16)
+    k = _kernel(f, x, w, b)
+    (st_,) = _conv_stages(k)
+    assert st_.step.epilogue is not None and len(st_.inputs) == 3
+    assert "epilogue" in str(st_.step)
+    (vec,), (ref,) = _run_both(k, x, w, b)
+    np.testing.assert_array_equal(vec.view(np.uint16), ref.view(np.uint16))
+    _close(vec, jax.jit(f)(x, w, b), F16)
+
+
+def test_a_batch_norm_and_relu_after_a_torch_convolution_fuse_into_it():
+    import torch
+
+    from torch_bridge import backend as tb
+
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(24)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    conv2 = torch.nn.Conv2d(24, 8, 3, padding=1)
+    m = torch.nn.Sequential(torch.nn.Conv2d(16, 24, 3, padding=1), bn, torch.nn.ReLU(), conv2)
+    m = m.eval()
+    x = torch.randn(1, 16, 10, 10)
+    with torch.no_grad():
+        got = torch.compile(m, backend="spyre", dynamic=False)(x)
+        want = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (cg,) = [c for c in tb.compiled_kernels() if any(s.kind == "matmul" for s in c.kernel.stages)]
+    convs = [s for s in cg.kernel.stages if s.kind == "matmul"]
+    # the first conv's bias and the batch norm's four vectors: five inputs past the input and
+    # the kernel (the second's bias rides the result's re-layout to NCHW)
+    assert len(convs) == 2 and convs[0].step.epilogue is not None
+    assert len(convs[0].inputs) == 7
