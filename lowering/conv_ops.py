@@ -202,6 +202,58 @@ def _conv_implicit(
     return b.transpose(b.reshape(out, (N, OH, OW, Co)), (0, 3, 1, 2))
 
 
+def _channels_last(b: Builder, x: Var) -> bool:
+    """Whether ``x`` ``[N, C, H, W]`` is the transpose of a channels-last value (a program
+    written NHWC): its channels are on the sticks already, and packing column taps would read
+    each stick of it once per tap."""
+    for n in reversed(b.nodes):
+        if x in n.outputs:
+            return n.op == "transpose" and n.params.perm == (0, 3, 1, 2)
+    return False
+
+
+def _conv_packed(
+    b: Builder,
+    x: Var,
+    w: Var,
+    s: tuple[int, int],
+    padding: Sequence[tuple[int, int]],
+    d: tuple[int, int],
+    dt: str,
+) -> Var:
+    """A convolution of few input channels with overlapping windows (a CNN's stem: 7x7/2 on
+    an image's 3 channels) as an implicit GEMM over its kernel rows only: the ``KW`` column taps
+    are packed into the channels first, ``x'[n, h, ow, kw * C + c] = x[n, c, h, ow * sw + kw *
+    dw]`` (one strided slice per column tap, the width padded), so a stick holds ``KW * C``
+    useful channels (21 of 64) instead of ``C`` (3) and the PE multiplies 7 times fewer padded
+    ones; the kernel ``[O, C, KH, KW]`` is read as ``[O, KW * C, KH, 1]``."""
+    N, C, H, W = x.shape
+    Co, _, KH, KW = w.shape
+    (pl, pr), (sw, dw) = padding[1], (s[1], d[1])
+    if pl or pr:
+        x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), (0, 0, 0), (pl, pr, 0)])
+    Wp = x.shape[3]
+    OW = (Wp - (KW - 1) * dw - 1) // sw + 1
+    cols = []
+    for kw in range(KW):
+        w0 = kw * dw
+        sl = b.emit(
+            "slice",
+            [x],
+            (N, C, H, OW),
+            x.dtype,
+            starts=(0, 0, 0, w0),
+            limits=(N, C, H, w0 + (OW - 1) * sw + 1),
+            strides=(1, 1, 1, sw),
+        )
+        cols.append(b.reshape(sl, (N, 1, C, H, OW)))
+    packed = b.reshape(b.concat(cols, 1), (N, KW * C, H, OW))  # channel kw * C + c
+    xl = b.transpose(packed, (0, 2, 3, 1))  # [N, H, OW, KW * C]
+    wp = b.reshape(b.transpose(w, (0, 3, 1, 2)), (Co, KW * C, KH, 1))
+    pads = (tuple(padding[0]), (0, 0))
+    return _conv_implicit(b, xl, wp, (KH, 1), (s[0], 1), (d[0], 1), pads, (1, 1), dt)
+
+
 def explicit(n: Node) -> tuple[list[Node], list[tuple[Var, np.ndarray]]]:
     """A ``conv`` node as an explicit im2col (its halo padded in device memory, the patches
     concatenated, one matmul): the nodes and the constants they read; the last node gives the
@@ -276,6 +328,15 @@ def conv(
         if any(c != (0, 0, 0) for c in cfg):
             x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
         out = _conv_few_channels(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
+        return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
+    if (
+        G == 1
+        and C < FEW_CHANNELS
+        and KW > 1
+        and all(ld == 1 for ld in lhs_dilation)
+        and not _channels_last(b, x)
+    ):
+        out = _conv_packed(b, x, w, tuple(strides), padding, tuple(rhs_dilation), out_dtype)
         return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     xl = b.transpose(x, (0, 2, 3, 1))
     k, st, rd = (KH, KW), tuple(strides), tuple(rhs_dilation)

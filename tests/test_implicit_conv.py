@@ -268,3 +268,47 @@ def test_a_batch_norm_and_relu_after_a_torch_convolution_fuse_into_it():
     # the kernel (the second's bias rides the result's re-layout to NCHW)
     assert len(convs) == 2 and convs[0].step.epilogue is not None
     assert len(convs[0].inputs) == 7
+
+
+# ---------------------------------------------------------------------------------------------
+# few input channels, overlapping windows (a CNN's stem): the column taps packed into channels
+
+STEM_CASES = {
+    "stem_7x7_s2": (dict(stride=(2, 2), pad=((3, 3), (3, 3))), (1, 3, 16, 18, 16, 7, 7)),
+    "asym_dilated": (
+        dict(stride=(1, 2), pad=((1, 0), (2, 3)), rhs_dil=(1, 2)),
+        (2, 3, 9, 11, 8, 3, 4),
+    ),
+    "one_channel": (dict(pad=((0, 0), (1, 1))), (1, 1, 6, 7, 4, 2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEM_CASES))
+def test_a_stems_column_taps_are_packed_into_its_channels(name):
+    kw, shape = STEM_CASES[name]
+    f = _conv(**kw)
+    x, w = _data(*shape, F32, seed=len(name))
+    k = _kernel(f, x, w)
+    (st_,) = _conv_stages(k)
+    C, KW = shape[1], shape[6]
+    # a kernel of one column over KW * C channels
+    assert st_.step.window.kernel == (shape[5], 1) and st_.inputs[1].block[1] == KW * C
+    _close(spyre_jax.jit(f)(x, w), jax.jit(f)(x, w), F32)
+
+
+def test_a_1d_convolution_of_few_channels():
+    f = lambda a, b: lax.conv_general_dilated(a, b, (2,), ((2, 1),))  # noqa: E731
+    x, w = _data(2, 4, 1, 19, 6, 1, 5, F32, seed=12)
+    x, w = x[:, :, 0], w[:, :, 0]
+    _close(spyre_jax.jit(f)(x, w), jax.jit(f)(x, w), F32)
+
+
+def test_a_channels_last_stem_is_not_packed():
+    # NHWC: the 3 channels are on the sticks already; packing would read each stick once per
+    # column tap (4.4x the simulated time measured), so the window is the whole kernel
+    from spyre_jax.tools.bench_schedules import CASES
+
+    fn, shapes, _ = CASES["conv-stem-224x3x64-7s2"]
+    args = [jax.ShapeDtypeStruct(s, jnp.float16) for s in shapes]
+    (st_,) = _conv_stages(spyre_jax.jit(fn).lower(*args).kernel)
+    assert st_.step.window.kernel == (7, 7)
