@@ -213,6 +213,7 @@ def test_a_depthwise_convolution_through_torch_compile():
     import torch
 
     torch.manual_seed(0)
+    torch._dynamo.reset()
     m = torch.nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=32).eval()
     x = torch.randn(1, 32, 15, 15)
     with torch.no_grad():
@@ -251,6 +252,8 @@ def test_a_batch_norm_and_relu_after_a_torch_convolution_fuse_into_it():
     from torch_bridge import backend as tb
 
     torch.manual_seed(0)
+    torch._dynamo.reset()
+    tb.reset_fallback_stats()  # compiled_kernels(): this test's only
     bn = torch.nn.BatchNorm2d(24)
     bn.running_mean.uniform_(-1, 1)
     bn.running_var.uniform_(0.5, 2)

@@ -76,6 +76,7 @@ def _captured(model: nn.Module, x: torch.Tensor) -> tuple:
 
         return aot_module_simplified(gm, ex, fw_compiler=fw)
 
+    torch._dynamo.reset()  # static shapes: no earlier compile of the same forward in this worker
     with torch.no_grad():
         torch.compile(model, backend=backend)(x)
     return got["gm"], got["weights"], got["args"]
