@@ -46,6 +46,40 @@ __all__ = ["conv", "window_reduce", "explicit", "FEW_CHANNELS"]
 FEW_CHANNELS = 16
 
 
+def _strided(
+    b: Builder, x: Var, starts: Sequence[int], counts: Sequence[int], strides: Sequence[int]
+) -> Var:
+    """``counts[j]`` elements of ``x`` along each dim ``j``, from ``starts[j]`` every
+    ``strides[j]``: a kernel tap's (or a window offset's) view of the input."""
+    limits = tuple(s + (n - 1) * st + 1 for s, n, st in zip(starts, counts, strides, strict=True))
+    return b.emit(
+        "slice",
+        [x],
+        tuple(counts),
+        x.dtype,
+        starts=tuple(starts),
+        limits=limits,
+        strides=tuple(strides),
+    )
+
+
+def _pad(
+    b: Builder, x: Var, spatial: Sequence[tuple[int, int, int]], before: int, after: int
+) -> Var:
+    """``x`` zero-padded along its spatial dims (``(low, high, interior)`` each), which follow
+    ``before`` dims and precede ``after`` dims; ``x`` itself when there is nothing to pad."""
+    if all(c == (0, 0, 0) for c in spatial):
+        return x
+    return b.pad(x, Lit(0, x.dtype), [(0, 0, 0)] * before + list(spatial) + [(0, 0, 0)] * after)
+
+
+def _dilated(
+    padding: Sequence[tuple[int, int]], lhs_dilation: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """The spatial pad config of a convolution's padding and input dilation."""
+    return [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
+
+
 def _conv_few_channels(
     b: Builder, x: Var, w: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[int, int], dt: str
 ) -> Var:
@@ -61,16 +95,7 @@ def _conv_few_channels(
     pieces = []
     for kh in range(KH):
         for kw in range(KW):
-            h0, w0 = kh * dh, kw * dw
-            sl = b.emit(
-                "slice",
-                [xc],
-                (C, N, OH, OW),
-                xc.dtype,
-                starts=(0, 0, h0, w0),
-                limits=(C, N, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1),
-                strides=(1, 1, sh, sw),
-            )
+            sl = _strided(b, xc, (0, 0, kh * dh, kw * dw), (C, N, OH, OW), (1, 1, sh, sw))
             pieces.append(b.reshape(sl, (C, 1, M)))
     rhs = b.reshape(b.concat(pieces, 1), (1, C * KH * KW, M))
     lhs = b.reshape(w, (1, Co, C * KH * KW))
@@ -93,17 +118,7 @@ def _taps(b: Builder, xl: Var, k: tuple[int, int], s: tuple[int, int], d: tuple[
     pieces = []
     for kh in range(KH):
         for kw in range(KW):
-            h0, w0 = kh * dh, kw * dw
-            lim = (N, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1, C)
-            sl = b.emit(
-                "slice",
-                [xl],
-                (N, OH, OW, C),
-                xl.dtype,
-                starts=(0, h0, w0, 0),
-                limits=lim,
-                strides=(1, sh, sw, 1),
-            )
+            sl = _strided(b, xl, (0, kh * dh, kw * dw, 0), (N, OH, OW, C), (1, sh, sw, 1))
             pieces.append(b.reshape(sl, (N, OH, OW, 1, C)))
     return b.concat(pieces, 3)
 
@@ -129,16 +144,7 @@ def _conv_depthwise(
     acc: Var | None = None
     for kh in range(KH):
         for kw in range(KW):
-            h0, w0 = kh * dh, kw * dw
-            part = b.emit(
-                "slice",
-                [x],
-                shape,
-                x.dtype,
-                starts=(0, 0, h0, w0),
-                limits=(N, C, h0 + (OH - 1) * sh + 1, w0 + (OW - 1) * sw + 1),
-                strides=(1, 1, sh, sw),
-            )
+            part = _strided(b, x, (0, 0, kh * dh, kw * dw), shape, (1, 1, sh, sw))
             tap = b.reshape(b.slice_dim(b.slice_dim(w, 2, kh, kh + 1), 3, kw, kw + 1), (C,))
             wt = b.emit("broadcast", [tap], shape, tap.dtype, shape=shape, dims=(1,))
             f32 = [
@@ -172,14 +178,13 @@ def _conv_implicit(
     Co = w.shape[0]
     ext = [(kk - 1) * dd for kk, dd in zip(k, d, strict=True)]
     if any(ld != 1 for ld in lhs_dilation):  # a transposed convolution: the pad stored
-        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
+        cfg = _dilated(padding, lhs_dilation)
         halo = ((0, 0), (0, 0))
     else:
         pads = list(zip(padding, ext, strict=True))
         cfg = [(max(0, lo - e), max(0, hi - e), 0) for (lo, hi), e in pads]
         halo = tuple((min(lo, e), min(hi, e)) for (lo, hi), e in pads)
-    if any(c != (0, 0, 0) for c in cfg):
-        xl = b.pad(xl, Lit(0, xl.dtype), [(0, 0, 0), *cfg, (0, 0, 0)])
+    xl = _pad(b, xl, cfg, 1, 1)
     wk = b.reshape(b.transpose(w, (2, 3, 1, 0)), (k[0] * k[1], C, Co))  # [taps, C, O]
     if wk.dtype != xl.dtype:
         wk = b.emit("convert", [wk], wk.shape, xl.dtype, dtype=xl.dtype)
@@ -230,22 +235,12 @@ def _conv_packed(
     N, C, H, W = x.shape
     Co, _, KH, KW = w.shape
     (pl, pr), (sw, dw) = padding[1], (s[1], d[1])
-    if pl or pr:
-        x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), (0, 0, 0), (pl, pr, 0)])
+    x = _pad(b, x, [(0, 0, 0), (pl, pr, 0)], 2, 0)
     Wp = x.shape[3]
     OW = (Wp - (KW - 1) * dw - 1) // sw + 1
     cols = []
     for kw in range(KW):
-        w0 = kw * dw
-        sl = b.emit(
-            "slice",
-            [x],
-            (N, C, H, OW),
-            x.dtype,
-            starts=(0, 0, 0, w0),
-            limits=(N, C, H, w0 + (OW - 1) * sw + 1),
-            strides=(1, 1, 1, sw),
-        )
+        sl = _strided(b, x, (0, 0, 0, kw * dw), (N, C, H, OW), (1, 1, 1, sw))
         cols.append(b.reshape(sl, (N, 1, C, H, OW)))
     packed = b.reshape(b.concat(cols, 1), (N, KW * C, H, OW))  # channel kw * C + c
     xl = b.transpose(packed, (0, 2, 3, 1))  # [N, H, OW, KW * C]
@@ -263,9 +258,7 @@ def explicit(n: Node) -> tuple[list[Node], list[tuple[Var, np.ndarray]]]:
     xl, wk = n.inputs[:2]
     p = n.params
     T, C, Co = wk.shape
-    cfg = [(0, 0, 0), *((lo, hi, 0) for lo, hi in p.padding), (0, 0, 0)]
-    if any(c != (0, 0, 0) for c in cfg):
-        xl = b.pad(xl, Lit(0, xl.dtype), cfg)
+    xl = _pad(b, xl, [(lo, hi, 0) for lo, hi in p.padding], 1, 1)
     patches = _taps(b, xl, p.kernel, p.strides, p.dilation)  # [N, OH, OW, T, C]
     M = math.prod(patches.shape[:3])
     lhs = b.reshape(patches, (1, M, T * C))
@@ -318,15 +311,11 @@ def conv(
         s >= (kk - 1) * d + 1 for s, kk, d in zip(strides, (KH, KW), rhs_dilation, strict=True)
     )
     if G == C and Cg == 1 and Co == C:  # depthwise: a windowed multiply-add on the SFUs
-        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
-        if any(c != (0, 0, 0) for c in cfg):
-            x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
+        x = _pad(b, x, _dilated(padding, lhs_dilation), 2, 0)
         out = _conv_depthwise(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
         return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     if G == 1 and C < FEW_CHANNELS and disjoint:
-        cfg = [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)]
-        if any(c != (0, 0, 0) for c in cfg):
-            x = b.pad(x, Lit(0, x.dtype), [(0, 0, 0), (0, 0, 0), *cfg])
+        x = _pad(b, x, _dilated(padding, lhs_dilation), 2, 0)
         out = _conv_few_channels(b, x, w, (KH, KW), tuple(strides), tuple(rhs_dilation), out_dtype)
         return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
     if (
@@ -343,11 +332,7 @@ def conv(
     if G == 1 and (T > 1 or st != (1, 1) or any(lo or hi for lo, hi in padding)):
         out = _conv_implicit(b, xl, w, k, st, rd, padding, lhs_dilation, out_dtype)
         return b.reshape(out, (N, Co, out.shape[3])) if nsp == 1 else out
-    cfg = [(0, 0, 0)] + [
-        (lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation, strict=True)
-    ]
-    if any(c != (0, 0, 0) for c in cfg):
-        xl = b.pad(xl, Lit(0, xl.dtype), [*cfg, (0, 0, 0)])
+    xl = _pad(b, xl, _dilated(padding, lhs_dilation), 1, 1)
     patches = _taps(b, xl, k, st, rd)  # [N, OH, OW, T, C]
     OH, OW = patches.shape[1:3]
     M = N * OH * OW
@@ -389,14 +374,9 @@ def window_reduce(
     acc: Var | None = None
     for offs in itertools.product(*(range(w) for w in window)):
         starts = tuple(o * d for o, d in zip(offs, dilation, strict=True))
-        limits = tuple(
-            s + (n - 1) * st + 1 for s, n, st in zip(starts, out_shape, strides, strict=True)
-        )
         if math.prod(out_shape) == 0:
             part = b.full(out_shape, fill, dt)
         else:
-            part = b.emit(
-                "slice", [xp], out_shape, dt, starts=starts, limits=limits, strides=tuple(strides)
-            )
+            part = _strided(b, xp, starts, out_shape, strides)
         acc = part if acc is None else b.elementwise(fn, [acc, part], out_shape, dt)
     return acc if acc is not None else b.full(out_shape, fill, dt)
