@@ -465,8 +465,19 @@ def _concat(cx: _StepCtx, t: Any, store_idx: Any) -> None:
 def _sort(cx: _StepCtx, t: Any, store_idx: Any) -> None:
     """Every core's rows of keys sorted; their first ``k`` indices stored."""
     step: SortStep = cx.stage.step
-    keys = [x[..., : step.n] for x in cx.tiles(t)]
-    cx.write_out(t, sorting.argsort_rows(jnp, keys, step.order, step.descending, step.k))
+    # only the cores the stage uses sort (an idle core's tile is never stored): a row of a
+    # vocabulary sorts on one core, and 31 copies of it would cost the host 31 sorts more
+    used = _cores_used(cx.stage)
+    keys = [x[:used, ..., : step.n] for x in cx.tiles(t)]
+    perm = sorting.argsort_rows(jnp, keys, step.order, step.descending, step.k)
+    if used < cx.bufs.ncores:
+        perm = jnp.pad(perm, [(0, cx.bufs.ncores - used)] + [(0, 0)] * (perm.ndim - 1))
+    cx.write_out(t, perm)
+
+
+def _cores_used(stage: Stage) -> int:
+    """How many cores (the first ones) store a block at some step of ``stage``."""
+    return max((c + 1 for row in stage.stores for c, s in enumerate(row) if s >= 0), default=1)
 
 
 def _take(cx: _StepCtx, t: Any, store_idx: Any) -> None:

@@ -43,6 +43,13 @@ ORDERS = ("nan_last", "total")
 #: figure for the SFU's compare or select); a parameter of the timing model, not a measurement.
 COMPARE_EXCHANGE_OPS = 3
 
+#: the simulator (not the card): rows of at most this many elements, and sorts of at most
+#: :data:`NATIVE_SORT_MAX` elements in all, run as XLA's own sort inside the simulated program;
+#: larger ones call NumPy's ``lexsort`` back from it (a callback's fixed host cost is a few
+#: hundred microseconds, XLA's comparator sort grows faster with the row)
+NATIVE_SORT_MAX_ROW = 4096
+NATIVE_SORT_MAX = 1 << 16
+
 
 def _bits(xp: Any, x: Any) -> Any:
     """fp32 ``x``'s bits as int32."""
@@ -83,11 +90,18 @@ def argsort_rows(xp: Any, keys: list[Any], order: str, descending: bool, k: int)
     if xp is np:
         perm = np.lexsort(tuple(reversed(ks)), axis=-1)
         return perm[..., :k].astype(np.int32)
-    # XLA's CPU sort runs a comparator per comparison (about 55 us a row of 512); NumPy's
-    # lexsort, called back from the simulated program, is some 20 times faster and gives the
-    # same (stable) order
     import jax
 
+    if ks[0].shape[-1] <= NATIVE_SORT_MAX_ROW and math.prod(ks[0].shape) <= NATIVE_SORT_MAX:
+        # small rows: XLA's own stable sort, the keys with an iota carried beside them
+        from jax import lax
+
+        iota = lax.broadcasted_iota(np.int32, ks[0].shape, len(ks[0].shape) - 1)
+        perm = lax.sort((*ks, iota), dimension=-1, num_keys=len(ks), is_stable=True)[-1]
+        return perm[..., :k]
+    # XLA's CPU sort runs a comparator per comparison; past a few thousand elements NumPy's
+    # lexsort, called back from the simulated program, is faster despite the callback's fixed
+    # cost, and gives the same (stable) order
     shape = (*ks[0].shape[:-1], k)
 
     def host(*arrays: np.ndarray) -> np.ndarray:

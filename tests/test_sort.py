@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import spyre_jax
+from device_model import sorting
 from device_model.program import build_runner
 from device_model.reference import run_kernel_reference
 from device_model.runtime import to_device_layout
@@ -185,6 +186,24 @@ def test_order_keys_reverse_ints_exactly():
     x = np.array([np.iinfo(np.int32).min, -1, 0, 1, np.iinfo(np.int32).max], np.int32)
     (d,) = order_keys(np, x, "nan_last", True)
     assert list(np.argsort(d, kind="stable")) == [4, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("n", [7, 500, sorting.NATIVE_SORT_MAX_ROW + 3])
+@pytest.mark.parametrize("order", sorting.ORDERS)
+@pytest.mark.parametrize("descending", [False, True])
+def test_simulator_sorts_agree_with_lexsort(n, order, descending):
+    """The simulated program sorts a short row with XLA's stable sort and a long one with
+    NumPy's lexsort called back: both give NumPy's stable order (ties, NaNs of either sign,
+    -0.0 == 0.0), on one key and on two."""
+    x = _arr((3, n), seed=n, nans=4, ties=True)
+    x.reshape(-1)[:3] = [-0.0, 0.0, -0.0]
+    y = np.random.default_rng(1).integers(-3, 3, (3, n)).astype(np.int32)
+    for keys in ([x], [y, x]):
+        want = sorting.argsort_rows(np, keys, order, descending, n - 2)
+        got = jax.jit(lambda *ks: sorting.argsort_rows(jnp, list(ks), order, descending, n - 2))(
+            *keys
+        )
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_a_row_longer_than_the_scratchpad_is_a_tiling_error():
