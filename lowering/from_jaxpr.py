@@ -198,7 +198,7 @@ def _inline(b: Builder, closed: Any, args: list[Any]) -> list[Any]:
     return _run(b, inner, env)
 
 
-@rule("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
+@rule("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "spyre_call")
 def _call(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     return _inline(b, eqn.params["jaxpr"], args)
 
@@ -214,6 +214,14 @@ def _custom_vjp(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
     closed = p.get("call_jaxpr") or p.get("fun_jaxpr")
     n = len(closed.jaxpr.invars)
     return _inline(b, closed, args[-n:] if len(args) > n else args)
+
+
+@rule("empty", "empty2")
+def _empty(b: Builder, eqn: Any, args: list[Any]) -> list[Any]:
+    """An array whose values nobody reads before writing them (a differentiated loop's or
+    branch's zero-initialized buffers): zeros, a broadcast constant."""
+    shape, dt = _aval(eqn.outvars[0])
+    return [b.full(shape, 0, dt)]
 
 
 @rule("stop_gradient", "copy", "copy_p", "optimization_barrier", "pvary", "pbroadcast")

@@ -45,6 +45,7 @@ INLINED = frozenset(
         "custom_jvp_call",
         "custom_vjp_call",
         "custom_vjp_call_jaxpr",
+        "spyre_call",  # a spyre_jax.jit function called inside another (spyre_jax.transforms)
     }
 )
 RULES: dict[str, Rule] = {}

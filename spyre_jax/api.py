@@ -24,6 +24,7 @@ from lowering.pipeline import compile_graph
 
 from .multicard import MultiLowered, shard_map_eqn
 from .runtime import Array, host_dtype
+from .transforms import spyre_call
 
 __all__ = ["jit", "Jitted", "Lowered", "Compiled"]
 
@@ -221,8 +222,12 @@ class Jitted:
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
         self.static_argnames = tuple(static_argnames)
         self._cache: dict[Any, Compiled] = {}
+        #: the closed jaxpr per signature (what ``spyre_call`` binds under a transformation)
+        self._jaxprs: dict[Any, tuple[Any, Any, tuple, str]] = {}
         self.trace_count = 0
-        functools.update_wrapper(self, fun)
+        # (not its __dict__: a wrapper of another Jitted, e.g. jax.grad(spyre_f), carries that
+        # one's caches and function in its own)
+        functools.update_wrapper(self, fun, updated=())
         try:
             self._sig = inspect.signature(fun)
         except (TypeError, ValueError):
@@ -256,8 +261,12 @@ class Jitted:
             raise TypeError(f"spyre_jax.jit: static arguments must be hashable ({e})") from None
         return key, dyn_leaves, (n, static_nums, static, static_kw, tree, dyn_pos, static_leaves)
 
-    def _trace(self, key: Any, info: Any, avals: tuple) -> Lowered:
-        t0 = time.perf_counter()
+    def _jaxpr(self, key: Any, info: Any, avals: tuple) -> tuple[Any, Any, tuple, str]:
+        """The traced function's closed jaxpr for this signature (traced once, kept), its
+        output tree, its typed-key outputs and its name."""
+        hit = self._jaxprs.get(key)
+        if hit is not None:
+            return hit
         n, static_nums, static, static_kw, tree, dyn_pos, static_leaves = info
         nleaves = len(dyn_pos) + len(static_leaves)
         out_store: dict[str, Any] = {}
@@ -285,6 +294,14 @@ class Jitted:
         closed = jax.make_jaxpr(flat_fun)(*specs)
         name = getattr(self.fun, "__name__", "fn")
         name = name if name.isidentifier() else "fn"
+        hit = (closed, out_store["tree"], out_store["keys"], name)
+        self._jaxprs[key] = hit
+        return hit
+
+    def _trace(self, key: Any, info: Any, avals: tuple) -> Lowered:
+        t0 = time.perf_counter()
+        closed, out_tree, key_outs, name = self._jaxpr(key, info, avals)
+        out_store = {"tree": out_tree, "keys": key_outs}
         sm = shard_map_eqn(closed)
         if sm is not None:  # a multi-card function: one program per card, and collectives
             return MultiLowered(self, key, closed, sm, out_store["tree"], t0, name)  # type: ignore[return-value]
@@ -312,7 +329,11 @@ class Jitted:
         return self._trace(key, info, key[1])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if jax.config.jax_disable_jit:  # as jax.jit: the Python function, op by op (on the CPU)
+            return self.fun(*args, **kwargs)
         key, leaves, info = self._split(args, kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._bind(key, info, leaves)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             raise TypeError(
                 "spyre_jax.jit: a jax.ShapeDtypeStruct has a shape and a dtype but no values, so "
@@ -323,6 +344,26 @@ class Jitted:
         if c is None:
             c = self._trace(key, info, key[1]).compile()
         return c._run(leaves)
+
+    def _bind(self, key: Any, info: Any, leaves: list[Any]) -> Any:
+        """Under a JAX transformation (a tracer among the arguments): the ``spyre_call``
+        primitive on the traced jaxpr (:mod:`spyre_jax.transforms`), whose rules transform it
+        and run the result on the card."""
+        closed, out_tree, _, name = self._jaxpr(key, info, key[1])
+        args = [_traced_arg(x) for x in leaves]
+        outs = spyre_call(closed, args, name)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
+def _traced_arg(x: Any) -> Any:
+    """An argument as ``spyre_call`` binds it: tracers and JAX values as they are, a spyre
+    Array or host value as a JAX array (int64 narrowed to int32, as the card holds it)."""
+    if isinstance(x, jax.core.Tracer):
+        return x
+    if isinstance(x, Array):
+        x._check_alive()
+        return jax.numpy.asarray(np.asarray(x))
+    return jax.numpy.asarray(np.asarray(x).astype(np.int32) if _is_int64(x) else x)
 
 
 def jit(

@@ -1,0 +1,55 @@
+"""The one use of JAX's private modules (``jax._src``): reverse-mode rules of ``spyre_call``.
+
+JAX differentiates in reverse by *linearizing* each primitive (``jax_use_direct_linearize``,
+on by default since JAX 0.7): a rule splits the primitive's computation into a primal part,
+run now, which also returns residuals, and a linear tangent part over those residuals, which
+JAX transposes for ``grad``. A primitive without such a rule is linearized through its jvp rule
+and a partial evaluation that cannot split a call primitive (all its outputs would be unknown,
+and JAX refuses). JAX's own ``jit`` primitive splits its jaxpr with
+``jax._src.interpreters.ad.linearize_jaxpr``; ``spyre_call`` does the same, and binds itself on
+both parts, so the forward of a gradient and its backward are both compiled for the card.
+
+Tested against the pinned JAX range (``pyproject.toml``) in ``tests/test_transforms.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax._src.interpreters import ad as _ad
+
+__all__ = ["register_linearize"]
+
+
+def register_linearize(prim: Any, bind: Callable[..., list[Any]], memo: Any) -> None:
+    """Give ``prim`` (whose params are ``jaxpr`` and ``name``) a linearization rule.
+    ``bind(closed, args, name)`` binds it; ``memo.get(jaxprs, extra, make)`` memoizes the split
+    per jaxpr, so a second gradient binds the same jaxprs (and compiles nothing)."""
+
+    def rule(is_vjp: bool, nzs: Sequence[bool], *primals: Any, jaxpr: Any, name: str) -> Any:
+        nzs = tuple(bool(z) for z in nzs)
+        split = memo.get(
+            (jaxpr,),
+            ("linearize", nzs, bool(is_vjp)),
+            lambda: _ad.linearize_jaxpr(jaxpr, nzs, is_vjp=is_vjp),
+        )
+        primal_jaxpr, num_res, nzs_out, in_fwd_res, tangent_jaxpr = split
+        ans = bind(primal_jaxpr, list(primals), name)
+        nout = len(ans) - num_res
+        primal_ans, res = ans[:nout], iter(ans[nout:])
+        src = [*jaxpr.consts, *primals]
+        residuals = [src[f] if f is not None else next(res) for f in in_fwd_res]
+        tangent_avals = [a.to_tangent_aval() for a in jaxpr.out_avals]
+
+        def tangent_fun(residuals: Sequence[Any], *tangents: Any) -> list[Any]:
+            nz_t = [t for t, nz in zip(tangents, nzs, strict=True) if nz]
+            outs = iter(bind(tangent_jaxpr, [*residuals, *nz_t], f"{name}_lin"))
+            return [
+                next(outs) if nz else _ad.Zero(a)
+                for a, nz in zip(tangent_avals, nzs_out, strict=True)
+            ]
+
+        return primal_ans, list(nzs_out), residuals, tangent_fun
+
+    _ad.primitive_linearizations[prim] = rule

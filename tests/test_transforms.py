@@ -1,0 +1,228 @@
+"""``spyre_jax.jit`` as a JAX transformation citizen (issue 32): ``grad``, ``vjp``, ``jvp``,
+``linearize``, ``hessian``, ``vmap`` and friends of a spyre function, and a spyre function under
+``jax.jit`` or another ``spyre_jax.jit``, against the same transformations of the plain function
+on the CPU (``jax.jit``).
+
+Tolerances: fp32 throughout; the card computes fp32 matmuls and elementwise functions in fp32
+(its SFU functions to within a few ulps of XLA's, docs/ops.md), and derivative programs are
+longer chains of them: 1e-5 relative, 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spyre_jax
+from spyre_jax import transforms
+
+RTOL = ATOL = 1e-5
+
+
+def _close(got, want, rtol=RTOL, atol=ATOL):
+    g, w = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(g) == len(w)
+    for a, b in zip(g, w, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape, (a.shape, b.shape)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def _mlp(params, x):
+    (w1, b1), (w2, b2) = params
+    h = jax.nn.gelu(x @ w1 + b1)
+    return jnp.mean((h @ w2 + b2) ** 2)
+
+
+def _params(seed=0, d=16, h=32):
+    r = np.random.default_rng(seed)
+    f = lambda *s: (r.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
+    return [(f(d, h), f(h) * 0.1), (f(h, d), f(d) * 0.1)]
+
+
+X = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+
+
+def _loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+W8 = np.random.default_rng(2).standard_normal((8, 4)).astype(np.float32)
+X8 = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+SLOSS = spyre_jax.jit(_loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# reverse mode
+
+
+def test_grad_of_a_spyre_mlp_runs_forward_and_backward_on_the_card():
+    sf = spyre_jax.jit(_mlp)
+    p = _params()
+    transforms.reset_stats()
+    _close(jax.grad(sf)(p, X), jax.grad(_mlp)(p, X))
+    s = transforms.stats()
+    # the primal part (with its residuals) and the transposed tangent part: two card launches
+    assert s["launches"] == 2 and s["compiles"] == 2, s
+
+
+def test_a_second_grad_compiles_and_derives_nothing():
+    sf = spyre_jax.jit(_mlp)
+    p = _params(4)
+    jax.grad(sf)(p, X)
+    transforms.reset_stats()
+    _close(jax.grad(sf)(p, X), jax.grad(_mlp)(p, X))
+    s = transforms.stats()
+    assert s["compiles"] == 0 and s["derived"] == 0 and s["launches"] == 2, s
+    assert sf.trace_count == 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["value_and_grad", "vjp", "jvp", "linearize", "jacrev", "jacfwd", "hessian", "argnums"],
+)
+def test_transformations_match_the_cpu(name):
+    w, x = W8, X8
+    if name == "value_and_grad":
+        got, want = (jax.value_and_grad(f)(w, x) for f in (SLOSS, _loss))
+    elif name == "vjp":
+        got, want = (jax.vjp(f, w, x)[1](np.float32(1.5)) for f in (SLOSS, _loss))
+    elif name == "jvp":
+        got, want = (jax.jvp(f, (w, x), (w * 0.5, x)) for f in (SLOSS, _loss))
+    elif name == "linearize":
+        got, want = (jax.linearize(f, w, x)[1](w, x * 2) for f in (SLOSS, _loss))
+    elif name == "argnums":
+        got, want = (jax.grad(f, argnums=(0, 1))(w, x) for f in (SLOSS, _loss))
+    else:
+        t = getattr(jax, name)
+        got, want = t(SLOSS)(w, x), t(_loss)(w, x)
+    _close(got, want, rtol=1e-4)
+
+
+def test_has_aux_custom_rules_checkpoint_and_stop_gradient_inside():
+    @jax.custom_jvp
+    def cj(a):
+        return jnp.sin(a)
+
+    cj.defjvp(lambda p, t: (cj(p[0]), 2.0 * t[0]))
+
+    @jax.custom_vjp
+    def cv(a):
+        return jnp.sin(a)
+
+    cv.defvjp(lambda a: (jnp.sin(a), a), lambda r, g: (3.0 * g,))
+
+    def f(w, x):
+        y = jax.checkpoint(_loss, policy=jax.checkpoint_policies.dots_saveable)(w, x)
+        z = jnp.sum(cj(x)) + jnp.sum(cv(w)) + jnp.sum(jax.lax.stop_gradient(w) * w)
+        return y + z, z
+
+    got = jax.grad(spyre_jax.jit(f), argnums=(0, 1), has_aux=True)(W8, X8)
+    _close(got, jax.grad(f, argnums=(0, 1), has_aux=True)(W8, X8))
+
+
+def test_gradients_of_loops_and_branches():
+    def loop(w, x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: jnp.tanh(c @ w @ w.T), x).sum()
+
+    def branch(w, x):
+        return jax.lax.cond(x.sum() > 0, lambda: jnp.sin(x @ w).sum(), lambda: jnp.cos(x @ w).sum())
+
+    for f in (loop, branch):
+        _close(jax.grad(spyre_jax.jit(f))(W8, X8), jax.grad(f)(W8, X8))
+        _close(jax.grad(spyre_jax.jit(f))(W8, -X8), jax.grad(f)(W8, -X8))
+
+
+def test_grad_of_an_integer_output_keeps_jaxs_error():
+    f = spyre_jax.jit(lambda x: jnp.argmax(x))
+    with pytest.raises(TypeError, match="grad requires real-valued outputs"):
+        jax.grad(f)(X8[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# batching
+
+
+def test_vmap_in_axes_out_axes_and_nested():
+    f = spyre_jax.jit(lambda a, b: jnp.sin(a) * b + 1)
+    xs = np.stack([X8, 2 * X8, -X8])
+    _close(
+        jax.vmap(f, in_axes=(0, None))(xs, X8),
+        jax.vmap(lambda a, b: jnp.sin(a) * b + 1, (0, None))(xs, X8),
+    )
+    _close(jax.vmap(f, in_axes=1, out_axes=1)(X8, X8), jnp.sin(X8) * X8 + 1)
+    _close(jax.vmap(jax.vmap(f))(xs, xs), jnp.sin(xs) * xs + 1)
+
+
+def test_vmap_of_grad_and_of_a_branch():
+    xs = np.stack([X8, -X8])
+    _close(
+        jax.vmap(jax.grad(SLOSS), (None, 0))(W8, xs), jax.vmap(jax.grad(_loss), (None, 0))(W8, xs)
+    )
+
+    def branch(w, x):
+        return jax.lax.cond(x.sum() > 0, lambda: (x @ w).sum(), lambda: -(x @ w).sum())
+
+    _close(jax.vmap(spyre_jax.jit(branch), (None, 0))(W8, xs), jax.vmap(branch, (None, 0))(W8, xs))
+
+
+def test_an_output_that_does_not_depend_on_the_mapped_input_stays_unbatched():
+    f = spyre_jax.jit(lambda a, b: (a * 2, b + a.sum()))
+    got = jax.vmap(f, in_axes=(None, 0), out_axes=(None, 0))(X8[0], X8)
+    _close(got, (X8[0] * 2, X8 + X8[0].sum()))
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 40),
+    axis=st.integers(0, 2),
+)
+def test_vmap_property(batch, rows, cols, axis):
+    r = np.random.default_rng(batch * 100 + rows * 10 + cols)
+    shape = [rows, cols]
+    shape.insert(axis, batch)
+    x = r.standard_normal(shape).astype(np.float32)
+
+    def f(a):
+        return jax.nn.softmax(a, axis=-1) * jnp.tanh(a).sum()
+
+    _close(jax.vmap(spyre_jax.jit(f), in_axes=axis)(x), jax.vmap(f, in_axes=axis)(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# nesting and tracing
+
+
+def test_inside_jax_jit_the_card_part_runs_on_the_card():
+    transforms.reset_stats()
+    out = jax.jit(lambda w, x: SLOSS(w, x) + 1)(W8, X8)
+    _close(out, _loss(W8, X8) + 1)
+    assert transforms.stats()["host_callbacks"] == 1
+    _close(jax.jit(jax.grad(SLOSS))(W8, X8), jax.grad(_loss)(W8, X8))
+
+
+def test_inside_another_spyre_jit_it_is_inlined():
+    outer = spyre_jax.jit(lambda w, x: SLOSS(w, x) * 2)
+    _close(outer(W8, X8), 2 * _loss(W8, X8))
+    assert "spyre_call" not in outer.lower(W8, X8).as_text("graph")
+    _close(spyre_jax.jit(jax.grad(SLOSS))(W8, X8), jax.grad(_loss)(W8, X8))
+
+
+def test_eval_shape_make_jaxpr_and_disable_jit():
+    assert jax.eval_shape(SLOSS, W8, X8) == jax.ShapeDtypeStruct((), np.float32)
+    assert "spyre_call" in str(jax.make_jaxpr(SLOSS)(W8, X8))
+    with jax.disable_jit():  # as jax.jit: the Python function runs op by op, on the CPU
+        out = SLOSS(W8, X8)
+    assert isinstance(out, jax.Array)
+    _close(out, _loss(W8, X8))
+
+
+def test_mixing_a_device_array_with_a_tracer():
+    w = spyre_jax.device_put(W8)
+    _close(jax.grad(SLOSS, argnums=1)(w, X8), jax.grad(_loss, argnums=1)(W8, X8))
