@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from . import donation
 from .card import DEFAULT_CARD, CardSpec
 from .deferred import Deferred, Trace, card_array
 from .kernel import Kernel, format_kernel
@@ -647,6 +648,7 @@ def launch(
     defer: bool = False,
     params: Sequence[Any] = (),
     seconds: float | None = None,
+    donate: Sequence[int] = (),
 ) -> list[DeviceBuffer]:
     """Run ``exe``'s recipe once on the current stream; one output buffer per output. The one
     launch of both frontends: ``spyre_jax.jit``, torch's compiled graphs, eager ops and the
@@ -660,6 +662,8 @@ def launch(
     in for this launch, freed after it). ``params``: values the program takes after them as
     they are (a data movement's offsets: no copy, no step). ``seconds``: the step's time on
     the card where the executable has none of its own (:meth:`Executable.for_program`).
+    ``donate``: indices of device-resident arguments whose regions outputs may take
+    (:mod:`device_model.donation`); each taken one is deleted by the launch.
     Refused before anything changes on: a buffer of another card (ValueError), a race on a
     device-resident argument (RaceError), a destroyed stream (StreamError), a full device
     memory (DeviceOOMError: nothing stays allocated).
@@ -692,7 +696,7 @@ def launch(
                     temps.append(b)
                     bufs[index] = b
             elif kind == "run_kernel":
-                outs = _run_kernel(exe, bufs, temps, sid, defer, params, seconds)
+                outs = _run_kernel(exe, bufs, temps, sid, defer, params, seconds, donate)
             # copy_out steps are taken when the host reads a result (copy_out)
     finally:
         for t in temps:
@@ -708,6 +712,7 @@ def _run_kernel(
     defer: bool,
     params: Sequence[Any],
     seconds: float | None,
+    donate: Sequence[int] = (),
 ) -> list[DeviceBuffer]:
     rt = exe.rt
     runner = exe._runner or exe.runner()
@@ -724,8 +729,11 @@ def _run_kernel(
     defer = defer and exe._jitted
     if not defer:
         payloads = [card_array(p) for p in payloads]
+    taken = donation.plan(exe.out_layouts, len(exe._out_sizes), bufs, donate)
     with rt.lock:
-        addrs = rt.memory.allocate_many(exe._out_sizes, tag="launch")
+        sizes = [n for n, t in zip(exe._out_sizes, taken, strict=True) if t is None]
+        fresh = rt.memory.allocate_many(sizes, tag="launch")
+    addrs = donation.addresses(taken, fresh)
     try:
         if defer:
             results: list[Any] = rt.trace.call(runner, payloads, len(exe.out_layouts))
@@ -734,9 +742,10 @@ def _run_kernel(
         if results and not results[0].is_ready():
             _record_readers(exe, rt, bufs, results)
     except BaseException:
-        for a in addrs:
+        for a in fresh:
             rt.memory.free(a)
         raise
+    donation.consume(taken)
     nout = len(exe.out_layouts)
     if len(addrs) > nout:
         rt.memory.free(addrs[-1])  # the workspace of intermediates

@@ -22,6 +22,7 @@ from lowering.graph import Graph, format_graph
 from lowering.loading import check_fits
 from lowering.pipeline import compile_graph
 
+from . import array_ops, transforms
 from .multicard import MultiLowered, shard_map_eqn
 from .runtime import Array, host_dtype
 from .transforms import spyre_call
@@ -146,16 +147,17 @@ class Compiled:
         as a flat list of :class:`Array` s."""
         return list(jax.tree_util.tree_leaves(self._run(list(leaves))))
 
-    def _run(self, leaves: list[Any]) -> Any:
-        """One launch (``device_model.runtime.launch``) on the current stream. Refused
-        (RaceError, StreamError, DeviceOOMError) before anything changes."""
+    def _run(self, leaves: list[Any], defer: bool = False, donate: Sequence[int] = ()) -> Any:
+        """One launch (``device_model.runtime.launch``) on the current stream (``defer``: its
+        program recorded in the card's lazy trace, as an eager op's). Refused (RaceError,
+        StreamError, DeviceOOMError) before anything changes."""
         # arrays were checked alive when the call was keyed (``Jitted._split``); the caller was
         # warned of int64 there too
         args = [x._buf if type(x) is Array else _host_arg(x) for x in leaves]
         if self.program is not None:
             bufs = self.executable.run(args)
         else:
-            bufs = launch(self.executable, args)
+            bufs = launch(self.executable, args, defer=defer, donate=donate)
         outs: list[Any] = [Array(b) for b in bufs]
         for i, kd in enumerate(self.key_outs):
             if kd is not None:  # typed keys: a JAX key array of the data (copied to the host)
@@ -216,9 +218,20 @@ class Jitted:
     """The result of :func:`jit`: callable, with ``.lower(*args)`` and a per-signature cache."""
 
     def __init__(
-        self, fun: Callable, static_argnums: Sequence[int], static_argnames: Sequence[str]
+        self,
+        fun: Callable,
+        static_argnums: Sequence[int],
+        static_argnames: Sequence[str],
+        *,
+        donate_argnums: Sequence[int] = (),
+        donate_argnames: Sequence[str] = (),
+        keep_unused: bool = False,
+        inline: bool = False,
     ):
         self.fun = fun
+        self.donate_argnums = tuple(donate_argnums)
+        self.donate_argnames = tuple(donate_argnames)
+        self.keep_unused, self.inline = keep_unused, inline
         self.static_argnums = tuple(sorted(int(i) for i in static_argnums))
         self.static_argnames = tuple(static_argnames)
         self._cache: dict[Any, Compiled] = {}
@@ -333,6 +346,8 @@ class Jitted:
             return self.fun(*args, **kwargs)
         key, leaves, info = self._split(args, kwargs)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            if self.inline:
+                return self.fun(*args, **kwargs)
             return self._bind(key, info, leaves)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             raise TypeError(
@@ -343,7 +358,38 @@ class Jitted:
         c = self._cache.get(key)
         if c is None:
             c = self._trace(key, info, key[1]).compile()
-        return c._run(leaves)
+        donated = self._donated(args, kwargs, leaves)
+        # (a multi-card function's donated arrays are deleted after it, their regions freed)
+        out = c._run(leaves, donate=donated) if donated and type(c) is Compiled else c._run(leaves)
+        for i in donated:
+            leaves[i].delete()  # (idempotent: one an output took is deleted already)
+        return out
+
+    def _donated(self, args: tuple, kwargs: dict, leaves: list[Any]) -> tuple[int, ...]:
+        """The positions among ``leaves`` of the :class:`Array` s of donated arguments."""
+        if not (self.donate_argnums or self.donate_argnames):
+            return ()
+        n = len(args)
+        given = [args[i if i >= 0 else n + i] for i in self.donate_argnums if -n <= i < n]
+        names = list(self._sig.parameters) if self._sig is not None else []
+        for name in self.donate_argnames:
+            if name in kwargs:
+                given.append(kwargs[name])
+            elif name in names and names.index(name) < n:
+                given.append(args[names.index(name)])
+        ids = {id(x) for g in given for x in jax.tree_util.tree_leaves(g) if isinstance(x, Array)}
+        return tuple(i for i, x in enumerate(leaves) if id(x) in ids)
+
+    def _apply(self, args: list[Any], defer: bool = False) -> Any:
+        """Call with positional arguments, the launch deferred (``spyre_jax.Array``'s
+        operators: :mod:`spyre_jax.array_ops`)."""
+        key, leaves, info = self._split(tuple(args), {})
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._bind(key, info, leaves)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._trace(key, info, key[1]).compile()
+        return c._run(leaves, defer=defer)
 
     def _bind(self, key: Any, info: Any, leaves: list[Any]) -> Any:
         """Under a JAX transformation (a tracer among the arguments): the ``spyre_call``
@@ -371,6 +417,12 @@ def jit(
     *,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    keep_unused: bool = False,
+    inline: bool = False,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
 ) -> Any:
     """Compile ``fun`` for the simulated Spyre card, like ``jax.jit``.
 
@@ -378,11 +430,43 @@ def jit(
     call with the same signature does not retrace). Array leaves are traced; other leaves (such
     as an equinox module's functions) are treated as static. Results are :class:`Array` s that
     stay in device memory.
+
+    ``donate_argnums``/``donate_argnames``: the :class:`Array` s in those arguments are given
+    up by the call: an output of the same shape and dtype takes one's device memory (no new
+    allocation), and every one is deleted after the call (using it again raises JAX's
+    ``RuntimeError``); host values donated are left alone. ``keep_unused``: accepted (every
+    argument is a kernel argument here). ``inline``: under an outer trace (``jax.jit``, another
+    transformation), trace ``fun`` into it instead of binding ``spyre_call``. ``in_shardings``/
+    ``out_shardings``: only ``None`` (one card); several cards take ``jax.shard_map`` inside
+    the function (docs/multicard-and-estimates.md). Under ``jax.disable_jit()`` the function
+    runs op by op, as JAX's.
     """
-    if isinstance(static_argnums, int):
-        static_argnums = (static_argnums,)
+    for kw, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
+        if v is not None:
+            raise NotImplementedError(
+                f"spyre_jax.jit: {kw} other than None is not supported (the card model has no "
+                "SPMD partitioner); write the per-card program with jax.shard_map inside the "
+                "jitted function to run on several simulated cards"
+            )
+    opts = {
+        "donate_argnums": _ints(donate_argnums),
+        "donate_argnames": (donate_argnames,)
+        if isinstance(donate_argnames, str)
+        else tuple(donate_argnames),
+        "keep_unused": bool(keep_unused),
+        "inline": bool(inline),
+    }
+    static_argnums = _ints(static_argnums)
     if isinstance(static_argnames, str):
         static_argnames = (static_argnames,)
     if fun is None:
-        return lambda f: Jitted(f, static_argnums, static_argnames)
-    return Jitted(fun, static_argnums, static_argnames)
+        return lambda f: Jitted(f, static_argnums, static_argnames, **opts)
+    return Jitted(fun, static_argnums, static_argnames, **opts)
+
+
+def _ints(v: int | Sequence[int]) -> tuple[int, ...]:
+    return (int(v),) if isinstance(v, int) else tuple(int(i) for i in v)
+
+
+transforms.set_jit(lambda f: Jitted(f, (), ()))
+array_ops.install(Array, jit)

@@ -1,4 +1,5 @@
-"""The one use of JAX's private modules (``jax._src``): reverse-mode rules of ``spyre_call``.
+"""The one use of JAX's private modules (``jax._src``): reverse-mode rules of ``spyre_call``,
+and ``spyre_jax.Array`` as a value JAX functions take.
 
 JAX differentiates in reverse by *linearizing* each primitive (``jax_use_direct_linearize``,
 on by default since JAX 0.7): a rule splits the primitive's computation into a primal part,
@@ -9,6 +10,12 @@ and JAX refuses). JAX's own ``jit`` primitive splits its jaxpr with
 ``jax._src.interpreters.ad.linearize_jaxpr``; ``spyre_call`` does the same, and binds itself on
 both parts, so the forward of a gradient and its backward are both compiled for the card.
 
+JAX functions (``jnp.sin(a)``, ``jax.jit(f)(a)``) take a value of a type JAX knows; since JAX
+0.7 an object's ``__jax_array__`` is no longer consulted where JAX finds a value's type and
+canonicalizes it. :func:`register_array_type` registers both for ``spyre_jax.Array`` (its type
+from its shape and dtype; its value a host copy of its elements): such a call then runs on the
+CPU, as any JAX function outside ``spyre_jax.jit``.
+
 Tested against the pinned JAX range (``pyproject.toml``) in ``tests/test_transforms.py``.
 """
 
@@ -17,9 +24,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src.interpreters import ad as _ad
 
-__all__ = ["register_linearize"]
+__all__ = ["register_linearize", "register_array_type"]
+
+
+def register_array_type(cls: type) -> None:
+    """Let JAX take instances of ``cls`` (with ``shape``, ``dtype`` and ``__array__``) as
+    arrays: their abstract value from shape and dtype, their value a host copy."""
+    _core.pytype_aval_mappings[cls] = lambda x: _core.ShapedArray(x.shape, x.dtype)
+    _dtypes.register_canonicalize_value_handler(cls, lambda x: np.asarray(x))
 
 
 def register_linearize(prim: Any, bind: Callable[..., list[Any]], memo: Any) -> None:

@@ -19,6 +19,8 @@ from device_model.layout import SUPPORTED_DTYPES, TensorLayout, layout_for, np_d
 from device_model.memory import DeviceOOMError
 from device_model.runtime import DeviceBuffer, copy_in, copy_out, runtime, wait_until_written
 
+from . import jax_private
+
 __all__ = [
     "Array",
     "Device",
@@ -113,7 +115,12 @@ class Array:
     """A tensor resident in the card's device memory (``spyre_jax.Array``).
 
     Feeds jitted functions without a host round trip; ``np.asarray(a)`` copies it out.
-    Freed when deleted or garbage-collected.
+    Freed when deleted or garbage-collected. Its operators and methods are ``jax.Array``'s,
+    run on the card op by op (:mod:`spyre_jax.array_ops`, installed by ``spyre_jax.api``); it
+    is not a ``jax.Array``
+    (``isinstance`` answers False: JAX's array type cannot be subclassed, and its values live in
+    the simulated card's memory, not in a JAX buffer), and ``jnp`` functions take it through
+    ``__jax_array__``. Pickled as its values (unpickled into device memory again).
     """
 
     __slots__ = ("_buf", "__weakref__")
@@ -198,6 +205,12 @@ class Array:
         if not self.shape:
             raise TypeError("len() of unsized object")
         return self.shape[0]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return device_put, (np.asarray(self),)
+
+
+jax_private.register_array_type(Array)
 
 
 def device_put(x: Any, device: Device | None = None) -> Array:

@@ -37,9 +37,11 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.interpreters import ad, batching, mlir
 
+from device_model.runtime import runtime
+
 from . import jax_private
 
-__all__ = ["spyre_call_p", "spyre_call", "stats", "reset_stats"]
+__all__ = ["spyre_call_p", "spyre_call", "set_jit", "stats", "reset_stats"]
 
 spyre_call_p = jcore.Primitive("spyre_call")
 spyre_call_p.multiple_results = True
@@ -104,10 +106,18 @@ def spyre_call(closed: Any, args: Sequence[Any], name: str) -> list[Any]:
 # impl and abstract eval
 
 
+#: makes a jitted function of a Python function (``spyre_jax.api`` sets it: this module sits
+#: below the API and imports none of it)
+_JIT: list[Callable[[Callable], Any]] = []
+
+
+def set_jit(make: Callable[[Callable], Any]) -> None:
+    """Set how a jaxpr's function is jitted for the card (``spyre_jax.jit``'s ``Jitted``)."""
+    _JIT[:] = [make]
+
+
 def _compiled(closed: Any, name: str) -> Any:
     """A :class:`spyre_jax.api.Jitted` of ``closed`` (compiled on its first call)."""
-    from .api import Jitted
-    from .runtime import runtime
 
     def make() -> Any:
         _count("compiles")
@@ -117,7 +127,7 @@ def _compiled(closed: Any, name: str) -> Any:
             return fun(*xs)
 
         call.__name__ = name if name.isidentifier() else "fn"
-        return Jitted(call, (), ())
+        return _JIT[0](call)
 
     return _COMPILED.get((closed,), runtime(), make)
 
