@@ -10,6 +10,11 @@ and JAX refuses). JAX's own ``jit`` primitive splits its jaxpr with
 ``jax._src.interpreters.ad.linearize_jaxpr``; ``spyre_call`` does the same, and binds itself on
 both parts, so the forward of a gradient and its backward are both compiled for the card.
 
+A profile (``spyre_jax.profile``) counts the JAX primitives evaluated eagerly on the CPU while it
+records (what JAX computes between card programs, e.g. the glue of a gradient):
+:func:`add_cpu_listener` wraps the method every eager primitive goes through,
+``jax._src.core.EvalTrace.process_primitive``.
+
 JAX functions (``jnp.sin(a)``, ``jax.jit(f)(a)``) take a value of a type JAX knows; since JAX
 0.7 an object's ``__jax_array__`` is no longer consulted where JAX finds a value's type and
 canonicalizes it. :func:`register_array_type` registers both for ``spyre_jax.Array`` (its type
@@ -21,6 +26,8 @@ Tested against the pinned JAX range (``pyproject.toml``) in ``tests/test_transfo
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +36,35 @@ from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src.interpreters import ad as _ad
 
-__all__ = ["register_linearize", "register_array_type"]
+__all__ = ["register_linearize", "register_array_type", "add_cpu_listener", "remove_cpu_listener"]
+
+#: primitives not counted: moving a value (a constant staged onto the device), and the card's
+TRANSFERS = frozenset({"stage", "device_put", "spyre_call"})
+_listeners: list[Counter] = []
+_lock = threading.Lock()
+_original_apply: list[Any] = []
+
+
+def _counting_process(self: Any, prim: Any, *args: Any, **params: Any) -> Any:
+    if prim.name not in TRANSFERS:
+        for c in list(_listeners):
+            c[prim.name] += 1
+    return _original_apply[0](self, prim, *args, **params)
+
+
+def add_cpu_listener(counter: Counter) -> None:
+    """Count in ``counter`` each JAX primitive evaluated eagerly on the CPU from now on (by
+    name; transfers excluded) until :func:`remove_cpu_listener`."""
+    with _lock:
+        if not _original_apply:
+            _original_apply.append(_core.EvalTrace.process_primitive)
+            _core.EvalTrace.process_primitive = _counting_process
+        _listeners.append(counter)
+
+
+def remove_cpu_listener(counter: Counter) -> None:
+    with _lock:
+        _listeners[:] = [c for c in _listeners if c is not counter]
 
 
 def register_array_type(cls: type) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 from device_model.runtime import runtime
 from device_model.streams import Queues, StepRecord
 from device_model.trace import chrome_trace, format_summary, summary
+
+from . import jax_private
 
 __all__ = ["profile", "Profile"]
 
@@ -47,6 +50,9 @@ class Profile:
         self._num_cores = runtime().card.num_cores
         self._trace: dict[str, Any] | None = None
         self._summary: dict[str, Any] | None = None
+        #: JAX primitives evaluated eagerly on the CPU inside the block, by name (what JAX
+        #: computes between card programs: a gradient's glue, a ``jnp`` call on device arrays)
+        self.cpu_primitives: Counter[str] = Counter()
 
     @property
     def recording(self) -> bool:
@@ -69,8 +75,14 @@ class Profile:
         return self._summary
 
     def format_summary(self) -> str:
-        """The summary as a short text table."""
-        return format_summary(self.summary)
+        """The summary as a short text table, and the JAX primitives run on the CPU."""
+        cpu = sum(self.cpu_primitives.values())
+        names = ", ".join(f"{k} x{v}" for k, v in self.cpu_primitives.most_common(8))
+        return (
+            format_summary(self.summary)
+            + f"\nJAX primitives on the CPU: {cpu}"
+            + (f" ({names})" if cpu else "")
+        )
 
     def __enter__(self) -> Profile:
         if self._queues is not None:
@@ -81,6 +93,7 @@ class Profile:
         with q.lock:
             q.recording.append(self.records)
         self._queues = q
+        jax_private.add_cpu_listener(self.cpu_primitives)
         self._trace = self._summary = None
         return self
 
@@ -91,6 +104,7 @@ class Profile:
         tb: TracebackType | None,
     ) -> None:
         q, self._queues = self._queues, None
+        jax_private.remove_cpu_listener(self.cpu_primitives)
         if q is not None:
             with q.lock:
                 # by identity: another profile's list may compare equal to ours
