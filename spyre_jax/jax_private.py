@@ -74,10 +74,17 @@ def register_array_type(cls: type) -> None:
     _dtypes.register_canonicalize_value_handler(cls, lambda x: np.asarray(x))
 
 
-def register_linearize(prim: Any, bind: Callable[..., list[Any]], memo: Any) -> None:
+def register_linearize(
+    prim: Any,
+    bind: Callable[..., list[Any]],
+    memo: Any,
+    saved: Callable[[int], None] = lambda n: None,
+) -> None:
     """Give ``prim`` (whose params are ``jaxpr`` and ``name``) a linearization rule.
     ``bind(closed, args, name)`` binds it; ``memo.get(jaxprs, extra, make)`` memoizes the split
-    per jaxpr, so a second gradient binds the same jaxprs (and compiles nothing)."""
+    per jaxpr, so a second gradient binds the same jaxprs (and compiles nothing); ``saved(n)``
+    is told the bytes of the residuals each linearization's primal part computes (the
+    activations a backward keeps: fewer under ``jax.checkpoint``)."""
 
     def rule(is_vjp: bool, nzs: Sequence[bool], *primals: Any, jaxpr: Any, name: str) -> Any:
         nzs = tuple(bool(z) for z in nzs)
@@ -87,6 +94,8 @@ def register_linearize(prim: Any, bind: Callable[..., list[Any]], memo: Any) -> 
             lambda: _ad.linearize_jaxpr(jaxpr, nzs, is_vjp=is_vjp),
         )
         primal_jaxpr, num_res, nzs_out, in_fwd_res, tangent_jaxpr = split
+        res_avals = primal_jaxpr.out_avals[len(primal_jaxpr.out_avals) - num_res :]
+        saved(sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res_avals))
         ans = bind(primal_jaxpr, list(primals), name)
         nout = len(ans) - num_res
         primal_ans, res = ans[:nout], iter(ans[nout:])

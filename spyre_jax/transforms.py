@@ -48,13 +48,14 @@ spyre_call_p.multiple_results = True
 
 _lock = threading.RLock()
 #: how many of each event (card compiles of a jaxpr, impl launches, derived jaxprs traced)
-_counts = {"compiles": 0, "launches": 0, "derived": 0, "host_callbacks": 0}
+_counts = {"compiles": 0, "launches": 0, "derived": 0, "host_callbacks": 0, "residual_bytes": 0}
 
 
 def stats() -> dict[str, int]:
     """compiles (jaxprs compiled for the card by the primitive), launches (impl runs on the
     card), derived (jaxprs made by a transformation rule), host_callbacks (card runs from
-    inside an outer ``jax.jit``)."""
+    inside an outer ``jax.jit``), residual_bytes (what the forward parts of reverse-mode
+    derivatives saved for their backward parts: the activations; ``jax.checkpoint`` lowers it)."""
     with _lock:
         return dict(_counts)
 
@@ -315,7 +316,14 @@ def _batch(args: Sequence[Any], dims: Sequence[Any], *, jaxpr: Any, name: str) -
 ad.primitive_jvps[spyre_call_p] = _jvp
 ad.primitive_transposes[spyre_call_p] = _transpose
 batching.primitive_batchers[spyre_call_p] = _batch
-jax_private.register_linearize(spyre_call_p, spyre_call, _DERIVED)
+
+
+def _saved(nbytes: int) -> None:
+    with _lock:
+        _counts["residual_bytes"] += nbytes
+
+
+jax_private.register_linearize(spyre_call_p, spyre_call, _DERIVED, _saved)
 
 
 # ---------------------------------------------------------------------------------------------
