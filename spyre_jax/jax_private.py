@@ -26,6 +26,8 @@ Tested against the pinned JAX range (``pyproject.toml``) in ``tests/test_transfo
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -46,10 +48,26 @@ _original_apply: list[Any] = []
 
 
 def _counting_process(self: Any, prim: Any, *args: Any, **params: Any) -> Any:
-    if prim.name not in TRANSFERS:
+    if _listeners and prim.name not in TRANSFERS and not _in_card_model():
         for c in list(_listeners):
             c[prim.name] += 1
     return _original_apply[0](self, prim, *args, **params)
+
+
+def _in_card_model(depth: int = 16) -> bool:
+    """Whether the card model's own code (``device_model``: running a kernel's program stage
+    by stage) bound the primitive: the simulation's work, not the user's program's."""
+    f = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if _CARD_MODEL in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
+
+
+_CARD_MODEL = os.sep + "device_model" + os.sep
 
 
 def add_cpu_listener(counter: Counter) -> None:

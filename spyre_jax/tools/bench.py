@@ -27,6 +27,7 @@ from . import (
     bench_schedules,
     bench_serve,
     bench_tp,
+    bench_train,
 )
 from .demo import demo_block, gpt2_small
 
@@ -258,6 +259,10 @@ def main(args: Any) -> int:
             bench_schedules.format_schedules,
         ),
         "tp": (bench_tp.bench_tp, bench_tp.format_tp),
+        "train": (
+            lambda: bench_train.bench_train(reps=args.reps, tiny=args.tiny),
+            bench_train.format_train,
+        ),
         "loops": (lambda: bench_loops.bench_loops(reps=args.reps), bench_loops.format_loops),
         "jax-decode": (
             lambda: bench_jax_decode.bench_jax_decode(

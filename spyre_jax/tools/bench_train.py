@@ -1,0 +1,181 @@
+"""``spyre-jax bench train``: a Llama-style layer's forward and backward on the card, both
+frontends, fp16 and fp32, measured side by side with the CPU in one run.
+
+Per frontend and dtype, for one training step of the loss ``mean(layer(x)**2)`` over the
+layer's weights (RMSNorm, grouped attention without RoPE, causal softmax, SwiGLU MLP: the
+shapes of a Llama-3.2-1B layer by default, ``--tiny`` for a small one):
+
+* ``fwd_us``, ``bwd_us``: simulated time on the card of the forward program (with the residuals
+  it saves) and of the backward program: JAX's ``jax.grad(spyre_jax.jit(loss))`` launches the two
+  (``spyre_jax.transforms``); torch's ``torch.compile(..., backend="spyre")`` compiles
+  AOTAutograd's forward and backward graphs;
+* ``saved_mb``: the saved activations (the residuals the forward returns for the backward);
+* ``compile_s``: the cold first step (trace, compile both programs, run);
+* ``wall_ms``, ``cpu_ms``, ``wall_over_cpu``: a warm step's wall time (the simulation) beside
+  the same step on the CPU (``jax.jit(jax.grad(loss))``; torch eager), the best of ``reps``;
+* ``grad_err``: the largest error of a weight's gradient, relative to that gradient's largest
+  magnitude, against an fp32 CPU run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import spyre_jax
+from spyre_jax import transforms
+
+from .bench_models import format_table
+
+__all__ = ["bench_train", "format_train", "layer", "layer_params", "FULL", "TINY"]
+
+#: (width, MLP width, heads, KV heads, tokens): Llama-3.2-1B's layer at 128 tokens
+FULL = (2048, 8192, 32, 8, 128)
+TINY = (64, 128, 4, 2, 16)
+
+
+def _rms(x: Any, g: Any) -> Any:
+    x32 = x.astype(jnp.float32)
+    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
+    return n.astype(x.dtype) * g
+
+
+def layer(p: dict[str, Any], x: Any, heads: int, kv_heads: int) -> Any:
+    """One Llama-style decoder layer (no RoPE) over ``x`` ``[tokens, width]``."""
+    t, d = x.shape
+    hd = d // heads
+    h = _rms(x, p["n1"])
+    q = (h @ p["wq"]).reshape(t, heads, hd).transpose(1, 0, 2)
+    k = (h @ p["wk"]).reshape(t, kv_heads, hd).transpose(1, 0, 2)
+    v = (h @ p["wv"]).reshape(t, kv_heads, hd).transpose(1, 0, 2)
+    k, v = (jnp.repeat(a, heads // kv_heads, axis=0) for a in (k, v))
+    s = (q @ k.transpose(0, 2, 1)).astype(jnp.float32) / np.sqrt(hd)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = (jax.nn.softmax(s, axis=-1).astype(x.dtype) @ v).transpose(1, 0, 2).reshape(t, d)
+    x = x + a @ p["wo"]
+    h = _rms(x, p["n2"])
+    return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
+
+
+def layer_params(d: int, f: int, kv_dim: int, dtype: Any, seed: int = 0) -> dict[str, Any]:
+    r = np.random.default_rng(seed)
+
+    def w(*s: int) -> np.ndarray:
+        return (r.standard_normal(s) / np.sqrt(s[0])).astype(dtype)
+
+    return {
+        "n1": np.ones(d, dtype),
+        "n2": np.ones(d, dtype),
+        "wq": w(d, d),
+        "wk": w(d, kv_dim),
+        "wv": w(d, kv_dim),
+        "wo": w(d, d),
+        "wg": w(d, f),
+        "wu": w(d, f),
+        "wd": w(f, d),
+    }
+
+
+def _best(fn: Callable[[], Any], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _grad_err(got: dict[str, Any], want: dict[str, Any]) -> float:
+    errs = []
+    for k, w in want.items():
+        w = np.asarray(w, np.float32)
+        g = np.asarray(got[k], np.float32)
+        errs.append(float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30)))
+    return max(errs)
+
+
+def _jax_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
+    d, f, heads, kvh, t = shape
+    p = layer_params(d, f, d // heads * kvh, dtype)
+    x = (np.random.default_rng(1).standard_normal((t, d)) * 0.5).astype(dtype)
+
+    def loss(p: Any, x: Any) -> Any:
+        y = layer(p, x, heads, kvh).astype(jnp.float32)
+        return jnp.mean(y * y)
+
+    grad = jax.grad(spyre_jax.jit(loss))
+    t0 = time.perf_counter()
+    jax.block_until_ready(grad(p, x))
+    compile_s = time.perf_counter() - t0
+    transforms.reset_stats()
+    with spyre_jax.profile(print_summary=False) as prof:
+        g = grad(p, x)
+    runs = [r for r in prof.records if r.kind == "run_kernel"]
+    fwd = sum(r.end - r.start for r in runs if not r.name.endswith("_transpose"))
+    bwd = sum(r.end - r.start for r in runs if r.name.endswith("_transpose"))
+    saved = transforms.stats()["residual_bytes"]
+    wall = _best(lambda: grad(p, x), reps)
+    cpu_grad = jax.jit(jax.grad(loss))
+    jax.block_until_ready(cpu_grad(p, x))
+    cpu = _best(lambda: cpu_grad(p, x), reps)
+    p32 = {k: np.asarray(v, np.float32) for k, v in p.items()}
+    ref = jax.jit(jax.grad(loss))(p32, np.asarray(x, np.float32))
+    return {
+        "fwd_us": fwd * 1e6,
+        "bwd_us": bwd * 1e6,
+        "kernels": len(runs),
+        "saved_mb": saved / 1e6,
+        "compile_s": compile_s,
+        "wall_ms": wall * 1e3,
+        "cpu_ms": cpu * 1e3,
+        "wall_over_cpu": wall / cpu,
+        "grad_err": _grad_err(g, ref),
+        "cpu_primitives": sum(prof.cpu_primitives.values()),
+    }
+
+
+def _torch_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
+    from .bench_train_torch import torch_case
+
+    return torch_case(shape, dtype, reps)
+
+
+def bench_train(*, reps: int = 3, tiny: bool = False) -> dict[str, Any]:
+    """Both frontends, fp16 and fp32: one row each (an ``error`` where a case failed)."""
+    shape = TINY if tiny else FULL
+    res: dict[str, Any] = {}
+    for frontend, case in (("jax", _jax_case), ("torch", _torch_case)):
+        for dt in (np.float16, np.float32):
+            name = f"{frontend} {np.dtype(dt).name}"
+            try:
+                res[name] = case(shape, dt, reps)
+            except Exception as e:  # noqa: BLE001 - a failed case is a row of the table
+                res[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return {
+        "shape": dict(zip(("width", "mlp", "heads", "kv_heads", "tokens"), shape, strict=True)),
+        "rows": res,
+    }
+
+
+def format_train(r: dict[str, Any]) -> str:
+    cols = (
+        ("fwd us", "fwd_us", "{:.1f}"),
+        ("bwd us", "bwd_us", "{:.1f}"),
+        ("saved MB", "saved_mb", "{:.2f}"),
+        ("compile s", "compile_s", "{:.1f}"),
+        ("wall ms", "wall_ms", "{:.1f}"),
+        ("cpu ms", "cpu_ms", "{:.2f}"),
+        ("wall/cpu", "wall_over_cpu", "{:.1f}"),
+        ("grad err", "grad_err", "{:.1e}"),
+    )
+    s = r["shape"]
+    head = (
+        f"Llama-style layer: width {s['width']}, MLP {s['mlp']}, {s['heads']} heads "
+        f"({s['kv_heads']} KV), {s['tokens']} tokens; one training step"
+    )
+    return head + "\n" + format_table(r["rows"], cols, width=11)
