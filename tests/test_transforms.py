@@ -351,3 +351,20 @@ def test_checkpoint_with_a_policy_saves_fewer_activations_and_less_device_memory
         _close(g, jax.grad(lambda x, w: jnp.sum(block(x, w)), argnums=1)(x, w), rtol=1e-4)
     assert saved["nothing"] < saved["dots"] < saved["none"], saved
     assert peak["nothing"] < peak["none"], peak
+
+
+def test_vmap_and_jvp_of_a_llama_layer():
+    from spyre_jax.tools.bench_train import TINY, layer, layer_params
+
+    d, f, heads, kvh, t = TINY
+    p = layer_params(d, f, d // heads * kvh, np.float32, seed=3)
+    xs = (np.random.default_rng(4).standard_normal((2, t, d)) * 0.5).astype(np.float32)
+
+    def fn(p, x):
+        return layer(p, x, heads, kvh)
+
+    sfn = spyre_jax.jit(fn)
+    _close(jax.vmap(sfn, (None, 0))(p, xs), jax.vmap(jax.jit(fn), (None, 0))(p, xs), rtol=1e-4)
+    tp = jax.tree.map(lambda a: a * 0.1, p)
+    got = jax.jvp(sfn, (p, xs[0]), (tp, xs[1]))
+    _close(got, jax.jvp(jax.jit(fn), (p, xs[0]), (tp, xs[1])), rtol=1e-4)
