@@ -368,3 +368,23 @@ def test_vmap_and_jvp_of_a_llama_layer():
     tp = jax.tree.map(lambda a: a * 0.1, p)
     got = jax.jvp(sfn, (p, xs[0]), (tp, xs[1]))
     _close(got, jax.jvp(jax.jit(fn), (p, xs[0]), (tp, xs[1])), rtol=1e-4)
+
+
+def test_inside_a_shard_map_body_under_an_outer_spyre_jit(monkeypatch):
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setenv("SPYRE_NUM_CARDS", "2")
+    mesh = Mesh(np.array(spyre_jax.devices()), ("tp",))
+    inner = spyre_jax.jit(lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2)
+
+    def body(x, w1, w2):
+        return jax.lax.psum(inner(x, w1, w2), "tp")
+
+    specs = (P(), P(None, "tp"), P("tp", None))
+    f = spyre_jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()))
+    r = np.random.default_rng(0)
+    x, w1, w2 = (
+        r.standard_normal(s).astype(np.float32) * 0.3 for s in ((8, 32), (32, 64), (64, 32))
+    )
+    _close(f(x, w1, w2), jax.nn.gelu(x @ w1) @ w2, rtol=1e-5)
