@@ -15,6 +15,10 @@ shapes of a Llama-3.2-1B layer by default, ``--tiny`` for a small one):
   the same step on the CPU (``jax.jit(jax.grad(loss))``; torch eager), the best of ``reps``;
 * ``grad_err``: the largest error of a weight's gradient, relative to that gradient's largest
   magnitude, against an fp32 CPU run.
+
+And the host overhead of a warm ``jax.grad(spyre_f)`` of a small function (a 64x32 tanh layer,
+where the simulation's own work is small) beside ``jax.grad(jax.jit(f))`` on the CPU, interleaved,
+the best of ``5 * reps`` rounds of 20 calls each, with the compiles of the second call (0).
 """
 
 from __future__ import annotations
@@ -145,6 +149,35 @@ def _torch_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]
     return torch_case(shape, dtype, reps)
 
 
+def grad_overhead(reps: int = 5) -> dict[str, Any]:
+    """A warm ``jax.grad(spyre_jax.jit(f))`` against ``jax.grad(jax.jit(f))`` on the CPU."""
+    r = np.random.default_rng(0)
+    w = r.standard_normal((64, 32)).astype(np.float32)
+    x = r.standard_normal((16, 64)).astype(np.float32)
+
+    def f(w: Any, x: Any) -> Any:
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    gs, gj = jax.grad(spyre_jax.jit(f)), jax.grad(jax.jit(f))
+    jax.block_until_ready((gs(w, x), gj(w, x)))
+    transforms.reset_stats()
+    jax.block_until_ready(gs(w, x))
+    compiles = transforms.stats()["compiles"]
+    best = {"spyre": float("inf"), "cpu": float("inf")}
+    for _ in range(reps):
+        for k, g in (("spyre", gs), ("cpu", gj)):
+            t = time.perf_counter()
+            for _ in range(20):
+                jax.block_until_ready(g(w, x))
+            best[k] = min(best[k], (time.perf_counter() - t) / 20)
+    return {
+        "spyre_ms": best["spyre"] * 1e3,
+        "cpu_ms": best["cpu"] * 1e3,
+        "ratio": best["spyre"] / best["cpu"],
+        "second_call_compiles": compiles,
+    }
+
+
 def bench_train(*, reps: int = 3, tiny: bool = False) -> dict[str, Any]:
     """Both frontends, fp16 and fp32: one row each (an ``error`` where a case failed)."""
     shape = TINY if tiny else FULL
@@ -178,4 +211,10 @@ def format_train(r: dict[str, Any]) -> str:
         f"Llama-style layer: width {s['width']}, MLP {s['mlp']}, {s['heads']} heads "
         f"({s['kv_heads']} KV), {s['tokens']} tokens; one training step"
     )
-    return head + "\n" + format_table(r["rows"], cols, width=11)
+    o = r["grad_overhead"]
+    tail = (
+        f"warm jax.grad(spyre_f) {o['spyre_ms']:.2f} ms vs jax.grad(jax.jit(f)) "
+        f"{o['cpu_ms']:.2f} ms: {o['ratio']:.2f}x; second call compiled "
+        f"{o['second_call_compiles']}"
+    )
+    return head + "\n" + format_table(r["rows"], cols, width=11) + "\n" + tail
