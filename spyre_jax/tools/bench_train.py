@@ -14,7 +14,8 @@ shapes of a Llama-3.2-1B layer by default, ``--tiny`` for a small one):
 * ``wall_ms``, ``cpu_ms``, ``wall_over_cpu``: a warm step's wall time (the simulation) beside
   the same step on the CPU (``jax.jit(jax.grad(loss))``; torch eager), the best of ``reps``;
 * ``grad_err``: the largest error of a weight's gradient, relative to that gradient's largest
-  magnitude, against an fp32 CPU run.
+  magnitude, against an fp32 CPU run; ``cpu_grad_err`` the same of the CPU's own step in the
+  row's dtype (what the dtype alone costs).
 
 And the host overhead of a warm ``jax.grad(spyre_f)`` of a small function (a 64x32 tanh layer,
 where the simulation's own work is small) beside ``jax.grad(jax.jit(f))`` on the CPU, interleaved,
@@ -139,6 +140,7 @@ def _jax_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
         "cpu_ms": cpu * 1e3,
         "wall_over_cpu": wall / cpu,
         "grad_err": _grad_err(g, ref),
+        "cpu_grad_err": _grad_err(cpu_grad(p, x), ref),
         "cpu_primitives": sum(prof.cpu_primitives.values()),
     }
 
@@ -205,6 +207,7 @@ def format_train(r: dict[str, Any]) -> str:
         ("cpu ms", "cpu_ms", "{:.2f}"),
         ("wall/cpu", "wall_over_cpu", "{:.1f}"),
         ("grad err", "grad_err", "{:.1e}"),
+        ("cpu err", "cpu_grad_err", "{:.1e}"),
     )
     s = r["shape"]
     head = (
