@@ -354,7 +354,7 @@ def test_checkpoint_with_a_policy_saves_fewer_activations_and_less_device_memory
 
 
 def test_vmap_and_jvp_of_a_llama_layer():
-    from spyre_jax.tools.bench_train import TINY, layer, layer_params
+    from spyre_jax.tools.train_layer import TINY, layer, layer_params
 
     d, f, heads, kvh, t = TINY
     p = layer_params(d, f, d // heads * kvh, np.float32, seed=3)

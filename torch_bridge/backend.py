@@ -2,8 +2,10 @@
 core ATen decompositions, into ``lowering.from_fx`` and the shared graph IR, passes, kernel and
 card (``torch_bridge.kernels``: ``lowering.pipeline`` and ``device_model.runtime``).
 
-Inference only: a graph that needs gradients (grad mode on and an input that requires grad) is
-refused with a clear error. An ATen op with no lowering rule falls back to the CPU by default:
+A graph that needs gradients (grad mode on and an input that requires grad) is compiled for
+training: AOTAutograd's forward and backward graphs both run on the card through the same
+lowering (``torch_bridge.training``). Under ``torch.no_grad()`` a graph is one forward graph,
+as it always was. An ATen op with no lowering rule falls back to the CPU by default:
 the graph is split by ``torch.fx``'s capability-based partitioner into card subgraphs and the
 unsupported nodes, which run eagerly on the CPU, with a warning that names the op and a counter
 (:func:`fallback_stats`). ``options={"strict": True}`` raises instead, naming the op and the
@@ -37,7 +39,7 @@ from lowering.from_fx import RULES, card_dtype, from_fx, node_source, supported
 from lowering.fx_common import is_card_dtype
 from lowering.hoist import split_weight_layouts
 
-from . import rng
+from . import rng, training
 from .dynamic import DynamicGraph, is_dynamic
 from .errors import InferenceOnlyError, SpyreFallbackWarning
 from .kernels import WeightLayouts, load, run_graph
@@ -115,23 +117,21 @@ def spyre_backend(
             f"spyre backend: unknown options {sorted(unknown)}; known: {sorted(_OPTIONS)}"
         )
     strict = bool(opts.get("strict", False))
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
-    ):
-        raise InferenceOnlyError(
-            "spyre backend: this graph needs gradients (grad mode is on and an input requires "
-            "grad); the card runs inference only: call the compiled model under torch.no_grad() "
-            "or torch.inference_mode()"
+    if training.needs_autograd(example_inputs):  # forward and backward graphs, both on the card
+        return training.compile_training(
+            gm,
+            example_inputs,
+            forward=functools.partial(_compile_forward, strict=strict),
+            backward=functools.partial(_compile_backward, strict=strict),
         )
-
-    def bw(gm: torch.fx.GraphModule, ex: Any) -> Callable:  # pragma: no cover - no autograd
-        raise InferenceOnlyError("spyre backend: backward graphs are not supported")
-
     return aot_module_simplified(
         gm,
         list(example_inputs),
         fw_compiler=functools.partial(_compile_forward, strict=strict),
-        bw_compiler=bw,
+        # never called under no_grad; there for a graph AOTAutograd finds needs gradients anyway
+        bw_compiler=training.SplitOutputs.compiler(
+            functools.partial(_compile_backward, strict=strict)
+        ),
         decompositions=core_aten_decompositions(),
     )
 
@@ -144,6 +144,14 @@ def _compile_forward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: b
     # AOTAutograd calls us under its fake mode; constants must be read as real tensors
     with unset_fake_temporarily():
         return _compile_forward_real(gm, strict=strict, weights=_weight_inputs())
+
+
+def _compile_backward(gm: torch.fx.GraphModule, example_inputs: Any, *, strict: bool) -> Callable:
+    """AOTAutograd's backward graph, compiled as a forward graph is. Its inputs are saved
+    activations and incoming gradients, not the model's weights (AOTAutograd's static input
+    indices are the forward's): no weight layouts are cut out of it."""
+    with unset_fake_temporarily():
+        return _compile_forward_real(gm, strict=strict, weights=())
 
 
 def _weight_inputs() -> tuple[int, ...]:

@@ -10,7 +10,9 @@ class SpyreFallbackWarning(UserWarning):
 
 
 class InferenceOnlyError(RuntimeError):
-    """The spyre backend compiles inference graphs only (no autograd)."""
+    """Kept for compatibility; nothing raises it any more. The spyre backend once refused graphs
+    that need gradients with it; it now compiles them for training (AOTAutograd's forward and
+    backward graphs, ``torch_bridge.training``). Code that catches it keeps working."""
 
 
 class UnsupportedLayoutError(TypeError):

@@ -25,6 +25,8 @@ offset 0. The same generator state gives the same numbers; ``generator.get_state
 
 **Compiled graphs.** :func:`rewrite_random` replaces the random ops of a graph by those two ops,
 each reading the state from a new graph input; :func:`draw_states` makes the states for a call.
+In training graphs the forward's dropout mask is saved for the backward; a random op that
+``torch.utils.checkpoint`` recomputes in the backward replays the forward's state there.
 """
 
 from __future__ import annotations
@@ -450,62 +452,135 @@ def _size(g: torch.fx.Graph, n: torch.fx.Node) -> list[Any]:
     return [int(d) for d in shape]
 
 
+#: the higher-order ops AOTAutograd wraps a random op in when ``torch.utils.checkpoint``
+#: recomputes it in the backward: the forward saves the generator's state, the backward replays
+_SAVE_RNG = getattr(torch.ops.higher_order, "run_and_save_rng_state", None)
+_WITH_RNG = getattr(torch.ops.higher_order, "run_with_rng_state", None)
+
+
+def _random_kind(n: torch.fx.Node) -> tuple[bool, Any]:
+    """(whether ``n`` is a random op this rewrite replaces, its :func:`_dist_of` or None for
+    ``native_dropout`` in training)."""
+    if n.op != "call_function" or n.kwargs.get("generator") is not None:
+        return False, None
+    if n.target == aten.native_dropout.default:
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
+        return bool(train), None
+    d = _dist_of(n)
+    return d is not None, d
+
+
+def _unwrap_rng_hops(g: torch.fx.Graph) -> dict[torch.fx.Node, tuple[str, torch.fx.Node]]:
+    """Replace each ``run_and_save_rng_state(op, ...)`` / ``run_with_rng_state(state, op, ...)``
+    over a random op this rewrite replaces by the plain ``op(...)`` node. Returns plain node ->
+    ("save", the node that stood for the saved state) or ("replay", the state it replays): the
+    caller gives the first a new state input, which also becomes the saved state (the forward
+    returns it for the backward), and the second the state it was given (a card state)."""
+    out: dict[torch.fx.Node, tuple[str, torch.fx.Node]] = {}
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target is None or n.target not in (_SAVE_RNG, _WITH_RNG):
+            continue
+        save = n.target is _SAVE_RNG
+        op, args = (n.args[0], n.args[1:]) if save else (n.args[1], n.args[2:])
+        with g.inserting_before(n):
+            plain = g.call_function(op, tuple(args), dict(n.kwargs))
+        val = n.meta.get("val")
+        plain.meta.update(n.meta)
+        plain.meta["val"] = val[1] if save and isinstance(val, list | tuple) else val
+        if not _random_kind(plain)[0]:
+            g.erase_node(plain)
+            continue
+        if save:
+            state = g.create_node("placeholder", "spyre_saved_rng_state")  # stand-in, replaced
+            for u in list(n.users):  # getitem(n, 0): the state; getitem(n, 1): the result
+                u.replace_all_uses_with(plain if u.args[1] == 1 else state)
+                g.erase_node(u)
+            out[plain] = ("save", state)
+        else:
+            state = n.args[0]
+            if state.op == "placeholder":  # the saved state comes back as a card state
+                state.meta["val"] = torch.empty(4, dtype=torch.int32)
+            n.replace_all_uses_with(plain)
+            out[plain] = ("replay", state)
+        g.erase_node(n)
+    return out
+
+
+def _state_input(g: torch.fx.Graph, phs: list[torch.fx.Node], i: int) -> torch.fx.Node:
+    """A new state input (int32 ``[4]``) after the graph's inputs."""
+    where = g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes)))
+    with where:
+        st = g.placeholder(f"spyre_rng_state_{i}")
+    phs.append(st)
+    st.meta["val"] = torch.empty(4, dtype=torch.int32)
+    return st
+
+
+def _replace_random(g: torch.fx.Graph, n: torch.fx.Node, d: Any, st: torch.fx.Node) -> None:
+    """``n`` (a random op; ``d`` its :func:`_dist_of`, None for dropout) as ``spyre_jax``'s
+    random op or dropout reading state ``st``."""
+    with g.inserting_before(n):
+        if d is None:
+            new = g.call_function(DROPOUT, (st, n.args[0], float(n.args[1])))
+        elif d[0] == "normal_of":
+            val = n.meta["val"]
+            size = _size(g, n)
+            z = g.call_function(RANDOM, (st, None, "normal", size, val.dtype, 0.0, 1.0, 0))
+            z.meta.update(n.meta)
+            mean, std = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("std", 1.0)
+            scaled = g.call_function(aten.mul.Tensor, (z, std))
+            scaled.meta.update(n.meta)
+            new = g.call_function(aten.add.Tensor, (scaled, mean))
+        else:
+            dist, x, a, b, cnt = d
+            val = n.meta["val"]
+            size = _size(g, n) if dist not in ("multinomial", "randperm") else []
+            new = g.call_function(
+                RANDOM, (st, x, dist, size, val.dtype, float(a), float(b), int(cnt))
+            )
+    new.meta.update(n.meta)
+    n.replace_all_uses_with(new)
+    g.erase_node(n)
+
+
 def rewrite_random(gm: torch.fx.GraphModule) -> int:
     """Replace ``gm``'s random ops by ``spyre_jax::random``/``dropout``, each reading its state
     from a new input placed after the graph's own; returns how many inputs were added (one per
     random op: :func:`draw_states` makes them for a call). ``native_dropout`` in training becomes
     ``spyre_jax::dropout``. A ``generator=`` in a graph is left alone (the op stays, and runs
-    where an op without a rule runs)."""
+    where an op without a rule runs).
+
+    A random op that ``torch.utils.checkpoint`` recomputes in the backward comes wrapped in
+    AOTAutograd's ``run_and_save_rng_state`` (forward) and ``run_with_rng_state`` (backward):
+    the forward's draws from a new state input as any other, and returns that state where it
+    returned the CPU generator's; the backward's replays it, reading that state from its input,
+    so both draw the same numbers on the card."""
     g = gm.graph
+    hops = _unwrap_rng_hops(g)
     todo = []
     for n in g.nodes:
-        if n.op != "call_function" or n.kwargs.get("generator") is not None:
-            continue
-        if n.target == aten.native_dropout.default:
-            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train")
-            if train:
-                todo.append((n, None))
-            continue
-        d = _dist_of(n)
-        if d is not None:
+        take, d = _random_kind(n)
+        if take:
             todo.append((n, d))
     if not todo:
         return 0
-    phs = [n for n in g.nodes if n.op == "placeholder"]
-    for i, (n, d) in enumerate(todo):
-        if phs:
-            with g.inserting_after(phs[-1]):
-                st = g.placeholder(f"spyre_rng_state_{i}")
+    stand_ins = {state for kind, state in hops.values() if kind == "save"}
+    phs = [n for n in g.nodes if n.op == "placeholder" and n not in stand_ins]
+    added = 0
+    for n, d in todo:
+        kind, state = hops.get(n, ("draw", None))
+        if kind == "replay":
+            st = state
         else:
-            with g.inserting_before(next(iter(g.nodes))):
-                st = g.placeholder(f"spyre_rng_state_{i}")
-        phs.append(st)
-        st.meta["val"] = torch.empty(4, dtype=torch.int32)
-        with g.inserting_before(n):
-            if d is None:
-                new = g.call_function(DROPOUT, (st, n.args[0], float(n.args[1])))
-            elif d[0] == "normal_of":
-                val = n.meta["val"]
-                size = _size(g, n)
-                z = g.call_function(RANDOM, (st, None, "normal", size, val.dtype, 0.0, 1.0, 0))
-                z.meta.update(n.meta)
-                mean, std = n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("std", 1.0)
-                scaled = g.call_function(aten.mul.Tensor, (z, std))
-                scaled.meta.update(n.meta)
-                new = g.call_function(aten.add.Tensor, (scaled, mean))
-            else:
-                dist, x, a, b, cnt = d
-                val = n.meta["val"]
-                size = _size(g, n) if dist not in ("multinomial", "randperm") else []
-                new = g.call_function(
-                    RANDOM, (st, x, dist, size, val.dtype, float(a), float(b), int(cnt))
-                )
-        new.meta.update(n.meta)
-        n.replace_all_uses_with(new)
-        g.erase_node(n)
+            st = _state_input(g, phs, added)
+            added += 1
+            if kind == "save":
+                state.replace_all_uses_with(st)
+                g.erase_node(state)
+        _replace_random(g, n, d, st)
     g.lint()
     gm.recompile()
-    return len(todo)
+    return added
 
 
 def draw_states(k: int) -> list[torch.Tensor]:

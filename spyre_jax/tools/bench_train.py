@@ -36,54 +36,10 @@ import spyre_jax
 from spyre_jax import transforms
 
 from .bench_models import format_table
+from .bench_train_torch import torch_case
+from .train_layer import FULL, TINY, layer, layer_params
 
 __all__ = ["bench_train", "format_train", "layer", "layer_params", "FULL", "TINY"]
-
-#: (width, MLP width, heads, KV heads, tokens): Llama-3.2-1B's layer at 128 tokens
-FULL = (2048, 8192, 32, 8, 128)
-TINY = (64, 128, 4, 2, 16)
-
-
-def _rms(x: Any, g: Any) -> Any:
-    x32 = x.astype(jnp.float32)
-    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-5)
-    return n.astype(x.dtype) * g
-
-
-def layer(p: dict[str, Any], x: Any, heads: int, kv_heads: int) -> Any:
-    """One Llama-style decoder layer (no RoPE) over ``x`` ``[tokens, width]``."""
-    t, d = x.shape
-    hd = d // heads
-    h = _rms(x, p["n1"])
-    q = (h @ p["wq"]).reshape(t, heads, hd).transpose(1, 0, 2)
-    k = (h @ p["wk"]).reshape(t, kv_heads, hd).transpose(1, 0, 2)
-    v = (h @ p["wv"]).reshape(t, kv_heads, hd).transpose(1, 0, 2)
-    k, v = (jnp.repeat(a, heads // kv_heads, axis=0) for a in (k, v))
-    s = (q @ k.transpose(0, 2, 1)).astype(jnp.float32) / np.sqrt(hd)
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-    a = (jax.nn.softmax(s, axis=-1).astype(x.dtype) @ v).transpose(1, 0, 2).reshape(t, d)
-    x = x + a @ p["wo"]
-    h = _rms(x, p["n2"])
-    return x + (jax.nn.silu(h @ p["wg"]) * (h @ p["wu"])) @ p["wd"]
-
-
-def layer_params(d: int, f: int, kv_dim: int, dtype: Any, seed: int = 0) -> dict[str, Any]:
-    r = np.random.default_rng(seed)
-
-    def w(*s: int) -> np.ndarray:
-        return (r.standard_normal(s) / np.sqrt(s[0])).astype(dtype)
-
-    return {
-        "n1": np.ones(d, dtype),
-        "n2": np.ones(d, dtype),
-        "wq": w(d, d),
-        "wk": w(d, kv_dim),
-        "wv": w(d, kv_dim),
-        "wo": w(d, d),
-        "wg": w(d, f),
-        "wu": w(d, f),
-        "wd": w(f, d),
-    }
 
 
 def _best(fn: Callable[[], Any], reps: int) -> float:
@@ -145,12 +101,6 @@ def _jax_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
     }
 
 
-def _torch_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
-    from .bench_train_torch import torch_case
-
-    return torch_case(shape, dtype, reps)
-
-
 def grad_overhead(reps: int = 5) -> dict[str, Any]:
     """A warm ``jax.grad(spyre_jax.jit(f))`` against ``jax.grad(jax.jit(f))`` on the CPU."""
     r = np.random.default_rng(0)
@@ -184,7 +134,7 @@ def bench_train(*, reps: int = 3, tiny: bool = False) -> dict[str, Any]:
     """Both frontends, fp16 and fp32: one row each (an ``error`` where a case failed)."""
     shape = TINY if tiny else FULL
     res: dict[str, Any] = {}
-    for frontend, case in (("jax", _jax_case), ("torch", _torch_case)):
+    for frontend, case in (("jax", _jax_case), ("torch", torch_case)):
         for dt in (np.float16, np.float32):
             name = f"{frontend} {np.dtype(dt).name}"
             try:

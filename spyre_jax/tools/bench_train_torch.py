@@ -18,13 +18,13 @@ import torch
 
 import spyre_jax
 
-from .bench_train import layer_params
+from .train_layer import layer_params
 
 __all__ = ["TorchLayer", "torch_case"]
 
 
 class TorchLayer(torch.nn.Module):
-    """:func:`spyre_jax.tools.bench_train.layer` as a module (weights ``[in, out]``, as there)."""
+    """:func:`spyre_jax.tools.train_layer.layer` as a module (weights ``[in, out]``, as there)."""
 
     def __init__(self, p: dict[str, np.ndarray], heads: int, kv_heads: int):
         super().__init__()
