@@ -4,7 +4,8 @@ and backward graphs, both compiled for the card), the weights on the CPU.
 
 The forward's and the backward's simulated times are the card kernels launched while each ran
 (a profile around each); the saved activations are the bytes of the tensors autograd keeps for
-the backward (``torch.autograd.graph.saved_tensors_hooks``); the reference is eager torch on the
+the backward (``torch.autograd.graph.saved_tensors_hooks``), the weights and the input left out;
+the reference is eager torch on the
 CPU, in the row's dtype for the wall time and in fp32 for the gradients' error.
 """
 
@@ -96,9 +97,11 @@ def torch_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
     _step(card, x)
     compile_s = time.perf_counter() - t0
     saved = [0]
+    weights = {q.data_ptr() for q in card.parameters()} | {x.data_ptr()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved[0] += tensor.numel() * tensor.element_size()
+        if tensor.data_ptr() not in weights:  # activations only, as JAX's residuals
+            saved[0] += tensor.numel() * tensor.element_size()
         return tensor
 
     card.zero_grad(set_to_none=True)
