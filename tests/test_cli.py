@@ -243,6 +243,20 @@ def test_bench_jax_decode_json(capsys):
     assert r["sampled_tokens_equal_cpu"] == 3 and r["sampled_sim_us_per_token"] > 0
 
 
+@pytest.mark.slow
+def test_bench_train_json(capsys):
+    # both frontends, fp16 and fp32: two card kernels a step, gradients close to fp32 CPU's
+    assert cli.main(["bench", "train", "--tiny", "--reps", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["rows"]) == {"jax float16", "jax float32", "torch float16", "torch float32"}
+    for name, row in r["rows"].items():
+        assert "error" not in row, (name, row)
+        assert row["kernels"] == 2 and row["fwd_us"] > 0 and row["bwd_us"] > 0
+        assert row["saved_mb"] > 0
+        assert row["grad_err"] < (1e-5 if name.endswith("32") else 1e-2)
+    assert r["grad_overhead"]["second_call_compiles"] == 0
+
+
 def test_fuzz_runs_programs_and_reports(capsys):
     assert cli.main(["fuzz", "--examples", "3", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)

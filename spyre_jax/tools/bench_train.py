@@ -144,6 +144,7 @@ def bench_train(*, reps: int = 3, tiny: bool = False) -> dict[str, Any]:
     return {
         "shape": dict(zip(("width", "mlp", "heads", "kv_heads", "tokens"), shape, strict=True)),
         "rows": res,
+        "grad_overhead": grad_overhead(5 * reps),
     }
 
 
