@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "calibrate",
             "schedules",
             "tp",
+            "train",
             "loops",
             "jax-decode",
         ],
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     pb.add_argument(
         "--layers", type=int, default=None, help="models, serve, jax-decode: shorten to N layers"
     )
-    pb.add_argument("--tiny", action="store_true", help="models: tiny widths too (tests)")
+    pb.add_argument(
+        "--tiny", action="store_true", help="models: tiny widths too; train: a small layer (tests)"
+    )
     pb.add_argument(
         "--seq",
         type=int,
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
-        args.reps = {"models": 1, "sim": 15}.get(args.which, 5)
+        args.reps = {"models": 1, "sim": 15, "train": 3}.get(args.which, 5)
     if getattr(args, "seq", 0) is None:
         args.seq = {"serve": 32, "eager": 8, "jax-decode": 16}.get(args.which, 128)
     if getattr(args, "tokens", 0) is None:
