@@ -23,8 +23,10 @@ from . import (
     jaxpr_common,
     jaxpr_control,  # noqa: F401  (the rules of loops and branches register)
     jaxpr_conv,  # noqa: F401  (the rule of convolutions registers)
+    jaxpr_gather,  # (windowed gathers as single-element ones)
     jaxpr_random,  # (the rules of random numbers register; keys' structural ops)
     jaxpr_sort,  # noqa: F401  (the rules of sorting and selection register)
+    jaxpr_special,  # noqa: F401  (the rules of special functions register: polygamma)
 )
 from .builder import Builder, Lit
 from .errors import PASS_THROUGH, LoweringError, UnsupportedPrimitiveError, rule_error
@@ -335,6 +337,11 @@ def _convert(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
         return [b.elementwise("convert", [x], shape, dt, param=dt)]
     if x.dtype == dt:
         return [x]
+    if x.dtype in ("float16", "bfloat16") and dt not in _FLOAT_FORMATS:
+        # a fused chain keeps a float16 value in float32 until it stores it; an integer (or
+        # bool) conversion of it must see the value the program computed, rounded to float16
+        # (``(x * 10).astype(int32)``: -17.998 is -18.0 in float16, so -18, not -17)
+        x = b.elementwise("convert", [x], shape, x.dtype, param=x.dtype)
     return [b.emit("convert", [x], shape, dt, dtype=dt)]
 
 
@@ -373,9 +380,13 @@ def _tile(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
 @rule("reshape")
 def _reshape(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
     shape, _ = _aval(eqn.outvars[0])
-    if eqn.params.get("dimensions") not in (None, ()):
-        raise LoweringError("reshape with dimensions= is not supported")
-    return [b.reshape(b.as_var(args[0]), shape)]
+    x = b.as_var(args[0])
+    dims = eqn.params.get("dimensions")
+    if dims not in (None, ()) and tuple(int(d) for d in dims) != tuple(range(len(x.shape))):
+        # lax.reshape(x, shape, dimensions): x's dims read in this order (the transpose of
+        # reduce_prod's derivative uses it), a transpose then a row-major reshape
+        x = b.transpose(x, tuple(int(d) for d in dims))
+    return [b.reshape(x, shape)]
 
 
 @rule("squeeze", "expand_dims")
@@ -618,13 +629,20 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
         last = len(idx.shape) - 1
         idx = b.concat([b.slice_dim(idx, last, c, c + 1) for c in cols], last) if cols else idx
         sim = tuple(sim[c] for c in cols)
+    offset_dims, gshape, perm = tuple(int(d) for d in dn.offset_dims), out_shape, None
+    win = jaxpr_gather.expand_windows(
+        b, table.shape, idx, sim, coll, sizes, offset_dims, obatch, "FILL" not in mode
+    )
+    if win is not None:  # windows of indexed dims: single elements, then a transpose
+        idx, coll, sizes, perm = win.index, win.collapsed, win.slice_sizes, win.perm
+        offset_dims, gshape = win.offset_dims, win.out_shape
     rest = [d for d in range(len(table.shape)) if d not in sim and d not in obatch]
     kept = [d for d in range(len(table.shape)) if d not in coll and d not in obatch]
     ok = (
         set(coll) <= set(sim)
         and all(sizes[d] == 1 for d in (*sim, *obatch))
         and all(sizes[d] == table.shape[d] for d in rest)
-        and len(dn.offset_dims) == len(kept)
+        and len(offset_dims) == len(kept)
         and len(idx.shape) >= 1
         and (idx.shape[-1] == len(sim) or not sim)
     )
@@ -651,15 +669,15 @@ def _gather(b: Builder, eqn: Any, args: list[Any]) -> list[Var]:
         idx,
         start_index_map=sim,
         collapsed=coll,
-        offset_dims=tuple(int(d) for d in dn.offset_dims),
+        offset_dims=offset_dims,
         slice_sizes=sizes,
         operand_batching=obatch,
         index_batching=ibatch,
-        out_shape=out_shape,
+        out_shape=gshape,
         clip="FILL" not in mode,
         fill=fill,
     )
-    return [out]
+    return [out if perm is None else b.transpose(out, perm)]
 
 
 # the rules of loops and branches import their bodies with this importer, and the rules of

@@ -27,7 +27,7 @@ def torch_result() -> dict:
 
 @pytest.fixture(scope="module")
 def jax_result() -> dict:
-    return coverage_jax(limit=15)
+    return coverage_jax(limit=15, paths=("jit",))
 
 
 def _check_structure(res: dict, paths: list[str]) -> None:
@@ -172,7 +172,7 @@ def test_jax_table_is_data():
 
 
 def test_jax_unsupported_is_not_error():
-    res = coverage_jax(names=["jnp.linalg (cholesky/inv/solve)"])
+    res = coverage_jax(names=["jnp.linalg (cholesky/inv/solve)"], paths=("jit",))
     t = res["totals"]["jit"]
     assert t["unsupported"] > 0 and t["error"] == 0, res["ops"]["jnp.linalg (cholesky/inv/solve)"]
 
@@ -213,7 +213,7 @@ def test_classify_unwraps_dynamo():
 
 
 def test_main_coverage_json(capsys):
-    assert cli.main_coverage(["jax", "--json", "--limit", "2"]) == 0
+    assert cli.main_coverage(["jax", "--json", "--limit", "2", "--paths", "jit"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["frontend"] == "jax" and len(res["ops"]) == 2
 

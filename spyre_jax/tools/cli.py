@@ -17,7 +17,8 @@ COVERAGE_DESCRIPTION = (
 
 def main_coverage(argv: list[str]) -> int:
     """``spyre-jax coverage torch [--json] [--limit N] [--ops a,b] [--samples K]`` and
-    ``spyre-jax coverage jax [--json] [--limit N]``: print the table, or one JSON object."""
+    ``spyre-jax coverage jax [--json] [--limit N] [--ops a,b] [--paths jit,grad,vmap]``: print
+    the table, or one JSON object."""
     p = argparse.ArgumentParser(prog="spyre-jax coverage", description=COVERAGE_DESCRIPTION)
     sub = p.add_subparsers(dest="frontend", required=True)
     pt = sub.add_parser("torch", help="PyTorch's OpInfo database (backend and spyre device)")
@@ -25,22 +26,34 @@ def main_coverage(argv: list[str]) -> int:
     pt.add_argument("--samples", type=int, default=3, help="samples per dtype and op")
     pt.add_argument("--paths", default="backend,device", help="backend and/or device")
     pj = sub.add_parser("jax", help="our table of jax.numpy / jax.lax / jax.nn functions")
+    pj.add_argument("--ops", default=None, help="comma-separated table entries (default: all)")
+    pj.add_argument(
+        "--paths",
+        default="jit,grad,vmap",
+        help="some of jit (the sample), grad (its gradient), vmap (batched); default all",
+    )
     for q in (pt, pj):
         q.add_argument("--json", action="store_true", help="print one JSON object")
         q.add_argument("--limit", type=int, default=None, help="at most N ops / entries")
         q.add_argument("--time-limit", type=float, default=None, help="stop after S seconds")
         q.add_argument("--notes", action="store_true", help="show why samples did not pass")
     args = p.parse_args(argv)
+    paths = tuple(x for x in args.paths.split(",") if x)
+    allowed = ("jit", "grad", "vmap")
+    if args.frontend == "jax" and (not paths or not set(paths) <= set(allowed)):
+        p.error(f"coverage jax --paths: some of {','.join(allowed)}, got {args.paths!r}")
     # imported here, not at the top: the CLI must start (--help, errors) without torch/JAX
     from . import coverage_run
 
-    kw = {}
     if args.frontend == "torch":
-        kw = {
-            "ops": [o for o in args.ops.split(",") if o] if args.ops else None,
-            "samples": args.samples,
-            "paths": tuple(x for x in args.paths.split(",") if x),
-        }
+        ops = [o for o in args.ops.split(",") if o] if args.ops else None
+        kw = {"ops": ops, "samples": args.samples, "paths": paths}
+    else:
+        try:
+            ops = coverage_run.jax_entries(args.ops) if args.ops else None
+        except ValueError as e:
+            p.error(f"coverage jax --ops: {e}")
+        kw = {"ops": ops, "paths": paths}
     out = coverage_run.report(
         args.frontend,
         as_json=args.json,

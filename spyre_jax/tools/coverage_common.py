@@ -274,16 +274,18 @@ class Book:
 # comparing with the reference
 
 
-def close_np(got: np.ndarray, want: np.ndarray, dtype_name: str | None = None) -> str | None:
+def close_np(
+    got: np.ndarray, want: np.ndarray, dtype_name: str | None = None, *, chain: int = 1
+) -> str | None:
     """None when ``got`` matches ``want``, else why not: the oracle's
-    :func:`~spyre_jax.tools.oracle.compare` at ``k = UNKNOWN_K``, by the dtype ``dtype_name``
-    (default ``want``'s; a float dtype the table lacks is met at float32's), a dtype of the same
-    class passing (float32 for an expected float16 is not wrong), exact for integers and bools,
-    complex values part by part."""
+    :func:`~spyre_jax.tools.oracle.compare` at ``k = UNKNOWN_K`` and ``chain``, by the dtype
+    ``dtype_name`` (default ``want``'s; a float dtype the table lacks is met at float32's), a
+    dtype of the same class passing (float32 for an expected float16 is not wrong), exact for
+    integers and bools, complex values part by part."""
     name = _dtype_name(dtype_name or want.dtype)
     if name not in TOLERANCES and "float" in name:
         name = "float32"
-    return compare(got, want, k=UNKNOWN_K, dtype=name, check_dtype=False)
+    return compare(got, want, k=UNKNOWN_K, chain=chain, dtype=name, check_dtype=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,6 +468,18 @@ def format_table(result: dict[str, Any], *, top: int = 15, notes: bool = False) 
                 f"  {group} ({p}): ops passed {t['ops_passed']}/{t['ops_tried']}, samples "
                 f"passed {t['samples_passed']}/{t['samples_tried']}"
             )
+    tr = result.get("transforms")
+    if tr and tr.get("fraction") is not None:
+        parts = [
+            f"{p} {tr[p + '_passed']}/{tr[p + '_tried']} (+{tr[p + '_untried']} untried)"
+            for p in ("grad", "vmap")
+            if p + "_tried" in tr
+        ]
+        lines.append(
+            f"of the {tr['forward_ops_passed']} ops passing forward: "
+            + ", ".join(parts)
+            + f"; passing all: {tr['all_passed']} ({100 * tr['fraction']:.1f}%)"
+        )
     for p in paths:
         uns = list(result["unsupported"].get(p, {}).items())[:top]
         if uns:
