@@ -163,8 +163,8 @@ def test_planted_errors_that_say_enough_pass_through(monkeypatch, frontend):
 # real failing rules
 
 
-def _jax_reshape_dims(x):
-    return lax.reshape(x, (x.size,), dimensions=(1, 0)) * 2.0
+def _jax_dilated_window(x):  # a base-dilated window sum: no rule takes it
+    return lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 1), "VALID", base_dilation=(1, 2)) * 2.0
 
 
 def _jax_column_gather(x, i):  # windows of three columns from each row: not a lookup
@@ -177,7 +177,7 @@ _WINDOWS = lax.GatherDimensionNumbers(
 
 
 def _jax_inner(x):
-    return lax.reshape(x, (x.size,), dimensions=(1, 0))
+    return lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 1), "VALID", base_dilation=(1, 2))
 
 
 def _jax_nested(x):
@@ -188,12 +188,14 @@ def _torch_float64(x):
     return (x.double() * 2).float()
 
 
-def test_real_failure_jax_reshape_dimensions():
+def test_real_failure_jax_reduce_window_base_dilation():
     with pytest.raises(LoweringError) as ei:
-        _jax_graph(_jax_reshape_dims, np.ones((4, 8), np.float32))
-    err = _assert_structured(ei.value, "JAX", "reshape", LoweringError, _jax_reshape_dims)
-    assert "dimensions=" in str(err).splitlines()[0]
-    assert "dimensions=(1, 0)" in err.equation
+        _jax_graph(_jax_dilated_window, np.ones((4, 8), np.float32))
+    err = _assert_structured(
+        ei.value, "JAX", "reduce_window_sum", LoweringError, _jax_dilated_window
+    )
+    assert "base_dilation" in str(err).splitlines()[0]
+    assert "base_dilation=" in err.equation
 
 
 def test_real_failure_jax_gather():
@@ -203,11 +205,11 @@ def test_real_failure_jax_gather():
 
 
 def test_real_failure_inside_nested_jit_is_wrapped_once():
-    """The rule that failed is the inner ``reshape``, at the inner function's line; the ``pjit``
-    that inlined it adds nothing."""
+    """The rule that failed is the inner ``reduce_window_sum``, at the inner function's line;
+    the ``pjit`` that inlined it adds nothing."""
     with pytest.raises(LoweringRuleError) as ei:
         _jax_graph(_jax_nested, np.ones((4, 8), np.float32))
-    _assert_structured(ei.value, "JAX", "reshape", LoweringError, _jax_inner)
+    _assert_structured(ei.value, "JAX", "reduce_window_sum", LoweringError, _jax_inner)
 
 
 def test_real_failure_aten_dtype():
