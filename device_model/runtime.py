@@ -729,11 +729,16 @@ def _run_kernel(
     defer = defer and exe._jitted
     if not defer:
         payloads = [card_array(p) for p in payloads]
-    taken = donation.plan(exe.out_layouts, len(exe._out_sizes), bufs, donate)
+    # (the eager ops' launches donate nothing: no plan, the allocation as before)
+    taken = donation.plan(exe.out_layouts, len(exe._out_sizes), bufs, donate) if donate else ()
     with rt.lock:
-        sizes = [n for n, t in zip(exe._out_sizes, taken, strict=True) if t is None]
+        sizes = (
+            [n for n, t in zip(exe._out_sizes, taken, strict=True) if t is None]
+            if taken
+            else exe._out_sizes
+        )
         fresh = rt.memory.allocate_many(sizes, tag="launch")
-    addrs = donation.addresses(taken, fresh)
+    addrs = donation.addresses(taken, fresh) if taken else fresh
     try:
         if defer:
             results: list[Any] = rt.trace.call(runner, payloads, len(exe.out_layouts))
