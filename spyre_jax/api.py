@@ -35,10 +35,8 @@ def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array | np.ndarray | np.generic | jax.Array | jax.ShapeDtypeStruct)
 
 
-def _is_key(x: Any) -> bool:
-    """A JAX array of typed PRNG keys (``jax.random.key``): its key data goes to the card."""
-    dt = getattr(x, "dtype", None)
-    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+#: a JAX array of typed PRNG keys (``jax.random.key``): its key data goes to the card
+_is_key = transforms.is_key_array
 
 
 def _leaf_aval(x: Any) -> tuple[tuple[int, ...], Any]:

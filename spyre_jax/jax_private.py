@@ -92,6 +92,12 @@ def register_array_type(cls: type) -> None:
     _dtypes.register_canonicalize_value_handler(cls, lambda x: np.asarray(x))
 
 
+def key_impl(dtype: Any) -> Any:
+    """The PRNG implementation of a typed-key dtype (``jax.random.key_impl`` wants an array;
+    a callback's result is made from a dtype alone)."""
+    return dtype._impl
+
+
 def register_linearize(
     prim: Any,
     bind: Callable[..., list[Any]],

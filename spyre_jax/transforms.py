@@ -146,12 +146,24 @@ def _run_on_card(closed: Any, name: str, args: Sequence[Any]) -> list[Any]:
 
 
 def _impl(*args: Any, jaxpr: Any, name: str) -> list[Any]:
-    outs = _run_on_card(jaxpr, name, [np.asarray(a) if _is_jax(a) else a for a in args])
-    return jax.device_put([np.asarray(o) for o in outs])  # (one call for all)
+    outs = _run_on_card(jaxpr, name, [_to_host(a) if _is_jax(a) else a for a in args])
+    return jax.device_put([o if is_key_array(o) else np.asarray(o) for o in outs])  # (one call)
 
 
 def _is_jax(x: Any) -> bool:
     return isinstance(x, jax.Array)
+
+
+def is_key_array(x: Any) -> bool:
+    """Whether ``x`` (an array or aval) holds typed PRNG keys (``jax.random.key``): they have
+    no NumPy value; the card's jit takes and returns them as they are (their key data are
+    uint32 words on the card)."""
+    dt = getattr(x, "dtype", None)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+
+
+def _to_host(x: Any) -> Any:
+    return x if is_key_array(x) else np.asarray(x)
 
 
 def _abstract_eval(*avals: Any, jaxpr: Any, name: str) -> list[Any]:
@@ -336,13 +348,32 @@ jax_private.register_linearize(spyre_call_p, spyre_call, _DERIVED, _saved)
 
 
 def _host_call(*args: Any, jaxpr: Any, name: str) -> list[Any]:
+    # typed keys cross the callback as their key data (a callback takes and gives NumPy values)
+    impls = [jax.random.key_impl(a) if is_key_array(a) else None for a in args]
+    datas = [jax.random.key_data(a) if i else a for a, i in zip(args, impls, strict=True)]
+    outs_key = [is_key_array(a) for a in jaxpr.out_avals]
     specs = [_spec(a) for a in jaxpr.out_avals]
+    specs = [
+        jax.eval_shape(jax.random.key_data, s) if k else s
+        for s, k in zip(specs, outs_key, strict=True)
+    ]
 
     def on_card(*xs: Any) -> list[np.ndarray]:
         _count("host_callbacks")
-        return [np.asarray(o) for o in _run_on_card(jaxpr, name, list(xs))]
+        keyed = [
+            jax.random.wrap_key_data(x, impl=i) if i else x for x, i in zip(xs, impls, strict=True)
+        ]
+        outs = _run_on_card(jaxpr, name, keyed)
+        return [
+            np.asarray(jax.random.key_data(o) if k else o)
+            for o, k in zip(outs, outs_key, strict=True)
+        ]
 
-    return list(jax.pure_callback(on_card, specs, *args, vmap_method="sequential"))
+    outs = jax.pure_callback(on_card, specs, *datas, vmap_method="sequential")
+    return [
+        jax.random.wrap_key_data(o, impl=jax_private.key_impl(a.dtype)) if k else o
+        for o, a, k in zip(outs, jaxpr.out_avals, outs_key, strict=True)
+    ]
 
 
 mlir.register_lowering(spyre_call_p, mlir.lower_fun(_host_call, multiple_results=True))

@@ -223,6 +223,25 @@ def test_eval_shape_make_jaxpr_and_disable_jit():
     _close(out, _loss(W8, X8))
 
 
+def _noisy(k, x):
+    return jax.random.split(k, 2), jax.random.normal(k, x.shape) * x + x
+
+
+def test_typed_keys_through_vmap_grad_and_jax_jit():
+    """Regression: a typed key argument or result under a transformation (the impl took every
+    argument's NumPy value; a key has none) and across jax.jit's host callback."""
+    sf, cf = spyre_jax.jit(_noisy), jax.jit(_noisy)
+    keys, x = jax.random.split(jax.random.key(3), 3), jnp.ones((3, 4))
+    got, want = jax.vmap(sf)(keys, x), jax.vmap(cf)(keys, x)
+    _close([jax.random.key_data(got[0]), got[1]], [jax.random.key_data(want[0]), want[1]])
+    k0 = keys[0]
+    got = jax.jit(lambda k, x: sf(k, x))(k0, x[0])
+    assert jax.random.key_impl(got[0]) == jax.random.key_impl(k0)
+    _close(jax.random.key_data(got[0]), jax.random.key_data(cf(k0, x[0])[0]))
+    grad = jax.grad(lambda x, f: f(k0, x)[1].sum())
+    _close(grad(x, sf), grad(x, cf))
+
+
 def test_mixing_a_device_array_with_a_tracer():
     w = spyre_jax.device_put(W8)
     _close(jax.grad(SLOSS, argnums=1)(w, X8), jax.grad(_loss, argnums=1)(W8, X8))
