@@ -22,7 +22,7 @@ from lowering.graph import Graph, format_graph
 from lowering.loading import check_fits
 from lowering.pipeline import compile_graph
 
-from . import array_ops, transforms
+from . import array_ops, spmd, transforms
 from .multicard import MultiLowered, shard_map_eqn
 from .runtime import Array, host_dtype
 from .transforms import spyre_call
@@ -225,8 +225,11 @@ class Jitted:
         donate_argnames: Sequence[str] = (),
         keep_unused: bool = False,
         inline: bool = False,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
     ):
         self.fun = fun
+        self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.donate_argnums = tuple(donate_argnums)
         self.donate_argnames = tuple(donate_argnames)
         self.keep_unused, self.inline = keep_unused, inline
@@ -309,10 +312,38 @@ class Jitted:
         self._jaxprs[key] = hit
         return hit
 
+    def _partitioned(self, closed: Any, info: Any, out_tree: Any) -> Any:
+        """``closed`` over a mesh of cards, as ``in_shardings``/``out_shardings`` split its
+        arguments and results (:mod:`spyre_jax.spmd`); as it is when they name no mesh."""
+        n, static_nums, static, static_kw, tree, dyn_pos, static_leaves = info
+        dummy = jax.tree_util.tree_unflatten(tree, [0] * (len(dyn_pos) + len(static_leaves)))
+        dyn_args = dummy[0]
+        ins = self.in_shardings
+        ins = tuple(ins) if isinstance(ins, list) else ins
+        per_leaf = spmd.leaf_shardings(ins, dyn_args, "in_shardings")
+        in_sh = [per_leaf[p] if p < len(per_leaf) else None for p in dyn_pos]
+        out_dummy = jax.tree_util.tree_unflatten(out_tree, [0] * len(closed.out_avals))
+        out_sh = spmd.leaf_shardings(self.out_shardings, out_dummy, "out_shardings")
+        in_specs, mesh_in = spmd.specs_of(
+            in_sh, [len(a.shape) for a in closed.in_avals], "in_shardings"
+        )
+        out_specs, mesh_out = spmd.specs_of(
+            out_sh, [len(a.shape) for a in closed.out_avals], "out_shardings"
+        )
+        if mesh_in is not None and mesh_out is not None and mesh_in != mesh_out:
+            raise ValueError("spyre_jax.jit: in_shardings and out_shardings name different meshes")
+        mesh = mesh_in if mesh_in is not None else mesh_out
+        if mesh is None:
+            return closed
+        given = [None if sh is None else sp for sh, sp in zip(out_sh, out_specs, strict=True)]
+        return spmd.partition(closed, in_specs, given, mesh)
+
     def _trace(self, key: Any, info: Any, avals: tuple) -> Lowered:
         t0 = time.perf_counter()
         closed, out_tree, key_outs, name = self._jaxpr(key, info, avals)
         out_store = {"tree": out_tree, "keys": key_outs}
+        if self.in_shardings is not None or self.out_shardings is not None:
+            closed = self._partitioned(closed, info, out_tree)
         sm = shard_map_eqn(closed)
         if sm is not None:  # a multi-card function: one program per card, and collectives
             return MultiLowered(self, key, closed, sm, out_store["tree"], t0, name)  # type: ignore[return-value]
@@ -435,17 +466,14 @@ def jit(
     ``RuntimeError``); host values donated are left alone. ``keep_unused``: accepted (every
     argument is a kernel argument here). ``inline``: under an outer trace (``jax.jit``, another
     transformation), trace ``fun`` into it instead of binding ``spyre_call``. ``in_shardings``/
-    ``out_shardings``: only ``None`` (one card); several cards take ``jax.shard_map`` inside
-    the function (docs/multicard-and-estimates.md). Under ``jax.disable_jit()`` the function
+    ``out_shardings``: ``NamedSharding`` s over a mesh of :func:`spyre_jax.devices` (pytree
+    prefixes of the positional arguments and of the result): the function, written on global
+    arrays, is partitioned over the cards (:mod:`spyre_jax.spmd`) into a ``jax.shard_map``
+    program (docs/multicard-and-estimates.md). Under ``jax.disable_jit()`` the function
     runs op by op, as JAX's.
     """
-    for kw, v in (("in_shardings", in_shardings), ("out_shardings", out_shardings)):
-        if v is not None:
-            raise NotImplementedError(
-                f"spyre_jax.jit: {kw} other than None is not supported (the card model has no "
-                "SPMD partitioner); write the per-card program with jax.shard_map inside the "
-                "jitted function to run on several simulated cards"
-            )
+    spmd.check_shardings(in_shardings, "in_shardings")
+    spmd.check_shardings(out_shardings, "out_shardings")
     opts = {
         "donate_argnums": _ints(donate_argnums),
         "donate_argnames": (donate_argnames,)
@@ -453,6 +481,8 @@ def jit(
         else tuple(donate_argnames),
         "keep_unused": bool(keep_unused),
         "inline": bool(inline),
+        "in_shardings": in_shardings,
+        "out_shardings": out_shardings,
     }
     static_argnums = _ints(static_argnums)
     if isinstance(static_argnames, str):

@@ -221,5 +221,5 @@ def test_keywords():
     assert "spyre_call" in str(jax.make_jaxpr(lambda a: spyre_jax.jit(lambda b: b * 2)(a))(X))
     with pytest.raises(TypeError, match="foo"):
         spyre_jax.jit(_step, foo=1)
-    with pytest.raises(NotImplementedError, match="in_shardings"):
+    with pytest.raises(TypeError, match="in_shardings takes"):
         spyre_jax.jit(_step, in_shardings=object())
