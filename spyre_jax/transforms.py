@@ -140,8 +140,9 @@ def _run_on_card(closed: Any, name: str, args: Sequence[Any]) -> list[Any]:
     jitted = _compiled(closed, name)
     if len(jitted._cache) == 1:  # compiled: launch it without keying the call again
         (c,) = jitted._cache.values()
-        if type(c).__name__ == "Compiled":
-            return c.call_flat(list(args))
+        call_flat = getattr(c, "call_flat", None)  # (one card's Compiled; not a multi-card one)
+        if call_flat is not None:
+            return call_flat(list(args))
     return list(jitted(*args))
 
 

@@ -25,7 +25,6 @@ the best of ``5 * reps`` rounds of 20 calls each, with the compiles of the secon
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,18 +36,9 @@ from spyre_jax import transforms
 
 from .bench_models import format_table
 from .bench_train_torch import torch_case
-from .train_layer import FULL, TINY, layer, layer_params
+from .train_layer import FULL, TINY, best_seconds, layer, layer_params
 
 __all__ = ["bench_train", "format_train", "layer", "layer_params", "FULL", "TINY"]
-
-
-def _best(fn: Callable[[], Any], reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _grad_err(got: dict[str, Any], want: dict[str, Any]) -> float:
@@ -80,10 +70,10 @@ def _jax_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
     fwd = sum(r.end - r.start for r in runs if not r.name.endswith("_transpose"))
     bwd = sum(r.end - r.start for r in runs if r.name.endswith("_transpose"))
     saved = transforms.stats()["residual_bytes"]
-    wall = _best(lambda: grad(p, x), reps)
+    wall = best_seconds(lambda: grad(p, x), reps)
     cpu_grad = jax.jit(jax.grad(loss))
     jax.block_until_ready(cpu_grad(p, x))
-    cpu = _best(lambda: cpu_grad(p, x), reps)
+    cpu = best_seconds(lambda: cpu_grad(p, x), reps)
     p32 = {k: np.asarray(v, np.float32) for k, v in p.items()}
     ref = jax.jit(jax.grad(loss))(p32, np.asarray(x, np.float32))
     return {

@@ -19,7 +19,7 @@ import torch
 
 import spyre_jax
 
-from .train_layer import layer_params
+from .train_layer import best_seconds, layer_params
 
 __all__ = ["TorchLayer", "torch_case"]
 
@@ -70,15 +70,6 @@ def _kernel_us(prof: Any) -> float:
     return sum(r.end - r.start for r in prof.records if r.kind == "run_kernel") * 1e6
 
 
-def _best(fn: Any, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return max(
         float((got[k].float() - w).abs().max() / max(float(w.abs().max()), 1e-30))
@@ -114,8 +105,8 @@ def torch_case(shape: tuple[int, ...], dtype: Any, reps: int) -> dict[str, Any]:
     grads = {
         k.removeprefix("_orig_mod."): q.grad.detach().clone() for k, q in card.named_parameters()
     }
-    wall = _best(lambda: _step(card, x), reps)
-    cpu = _best(lambda: _step(eager, x), reps)
+    wall = best_seconds(lambda: _step(card, x), reps)
+    cpu = best_seconds(lambda: _step(eager, x), reps)
     ref = _step(
         TorchLayer({k: np.asarray(v, np.float32) for k, v in p.items()}, heads, kvh), x.float()
     )

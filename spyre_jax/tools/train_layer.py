@@ -3,6 +3,8 @@ the torch half, :mod:`spyre_jax.tools.bench_train_torch`)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,3 +58,13 @@ def layer_params(d: int, f: int, kv_dim: int, dtype: Any, seed: int = 0) -> dict
         "wu": w(d, f),
         "wd": w(f, d),
     }
+
+
+def best_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """The best of ``reps`` timed calls of ``fn`` (what it returns waited for)."""
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
