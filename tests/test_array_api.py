@@ -100,6 +100,8 @@ def test_array_indexing():
     y = spyre_jax.device_put(X)
     _same(y[np.array([2, 0])], JX[np.array([2, 0])])
     _same(y[[0, 2], 1], JX[jnp.array([0, 2]), 1])
+    _same(y[[0, 2], 1:], JX[jnp.array([0, 2]), 1:])  # an integer array and a slice: a window gather
+    _same(y[1:, [2, 0]], JX[1:, jnp.array([2, 0])])
     _same(y[spyre_jax.device_put(np.array([1, 1], np.int32))], JX[jnp.array([1, 1])])
 
 
