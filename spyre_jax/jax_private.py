@@ -47,8 +47,27 @@ _lock = threading.Lock()
 _original_apply: list[Any] = []
 
 
+#: set while the card model hands results to JAX (:func:`as_transfer`)
+_state = threading.local()
+
+
+def as_transfer(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its primitives not counted by the CPU listeners: a transfer of results
+    into JAX arrays, not the user's program's work."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        return fn(*args)
+    finally:
+        _state.depth -= 1
+
+
 def _counting_process(self: Any, prim: Any, *args: Any, **params: Any) -> Any:
-    if _listeners and prim.name not in TRANSFERS and not _in_card_model():
+    if (
+        _listeners
+        and prim.name not in TRANSFERS
+        and not getattr(_state, "depth", 0)
+        and not _in_card_model()
+    ):
         for c in list(_listeners):
             c[prim.name] += 1
     return _original_apply[0](self, prim, *args, **params)

@@ -148,7 +148,13 @@ def _run_on_card(closed: Any, name: str, args: Sequence[Any]) -> list[Any]:
 
 def _impl(*args: Any, jaxpr: Any, name: str) -> list[Any]:
     outs = _run_on_card(jaxpr, name, [_to_host(a) if _is_jax(a) else a for a in args])
-    return jax.device_put([o if is_key_array(o) else np.asarray(o) for o in outs])  # (one call)
+    hosts = [o if is_key_array(o) else np.asarray(o) for o in outs]
+    return list(jax_private.as_transfer(_as_jax, *hosts))
+
+
+#: host values -> JAX arrays, through jax.jit's C++ fast path (one call for all of them, a
+#: quarter of ``jax.device_put`` 's host time for a list of four small arrays)
+_as_jax = jax.jit(lambda *xs: xs)
 
 
 def _is_jax(x: Any) -> bool:
