@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 __all__ = ["CardSpec", "DEFAULT_CARD"]
 
@@ -46,35 +49,48 @@ class CardSpec:
             timing-model work against the measured softmax.
         sfu_ops_per_elem_transcendental: 4 SFU passes for exp/log/tanh/erf/logistic/rsqrt/...
             Assumption (not published).
-        memory_bw_one_way: 150 GB/s, the device-memory rate a kernel that only reads or only
-            writes sustains. Public, calibrated: torch-spyre's cost model, fitted on 1535 kernel
+        memory_bw_one_way: 150 GB/s, the device-memory rate a kernel that only reads
+            sustains. Public, calibrated: torch-spyre's cost model, fitted on 1535 kernel
             configurations measured on the card (``compiler/cost_model.md``; CARD.md). Sets the
             external bound (:attr:`bound_flops`, ``cost_analysis()["bound_us"]``).
-        memory_bw_balanced: 128.6 GB/s, the same when reads and writes are balanced. Derived
-            from the one direct measurement of such a kernel: a 4096 x 2048 fp16 softmax on 32
-            cores took 261 us (CARD.md) while reading and writing 16 MiB each, 128.6 GB/s.
-            torch-spyre's fit gives 105 GB/s, which predicts that softmax at 320 us, and its
-            reference database lists 390 us for it: the sources disagree, and this follows the
-            direct measurement. Between the two rates the achieved bandwidth depends on the
-            read share of a stage's traffic (:meth:`memory_bw`).
+        memory_bw_write_only: 132.5 GB/s, the device-memory rate a kernel that only writes
+            sustains: the middle of the 125-140 GB/s measured (CARD.md, calibration notes,
+            secondary).
+        memory_bw_balanced: 104 GB/s, the rate when reads and writes are balanced: an
+            elementwise neg measured 104 GB/s, a gelu 100 (calibration notes, secondary);
+            torch-spyre's fit on 1535 kernels gives 105 (public). Between the three rates the
+            time of a stage's traffic is :meth:`memory_seconds`: its reads at the read rate, its
+            writes at the write rate, and the bytes that alternate (the smaller of the two) pay
+            a turnaround that makes an even mix run at this rate.
+        reduction_read_bw: 82.9 GB/s, the rate a stage that reduces along a row reads at (the
+            SFUs reduce each stick to one element, then across the sticks of a row). Fitted by
+            ``spyre-jax bench calibrate`` on the reduction family (four kernels: softmax at three
+            shapes, RMSNorm's statistics), with ``reduction_fixed_s``.
+        reduction_fixed_s: 2.16 us per reduction in a stage (a softmax has two: the maximum and
+            the sum), the synchronization of the partial results across a row's sticks and
+            corelets. Fitted with ``reduction_read_bw`` (same four kernels).
+        kernel_fixed_s: 0.86 us, the fixed device time of a kernel: at least one tile of its
+            loop, which the calibration notes measure at about 860 ns per tile (CARD.md,
+            secondary). Added to every kernel's time and to its bound.
         pe_macs_per_ns_per_core: 1140 multiply-accumulates per ns per core, the PE rate matmuls
             sustain (the datasheet's 1536 is called about 33% optimistic). Public, calibrated
             (same source). The timing model's PE rate (:attr:`pe_flops_sustained_per_core`, at
             most the array's nominal rate) and the external bound's, 72.96 TFLOPS on 32 cores.
-        bmm_macs_per_ns_per_core: 160 multiply-accumulates per ns per core for a batched matmul
-            in the real stack's default layout, where the batch dim is not outermost. Public,
-            calibrated (torch-spyre's cost model; CARD.md).
-        bmm_batch_outer_speedup: 8.3, how much faster the same batched matmul runs with the
-            batch dim outermost. Public (same source). Our layouts keep the batch dim outermost
-            (row-major, the stick along the last dim), so a batched matmul's PE rate is
-            ``bmm_macs_per_ns_per_core x bmm_batch_outer_speedup`` (1328 per ns), capped by the
-            sustained rate: :attr:`pe_flops_batched_per_core`.
+        bmm_batch_outer_macs_per_ns_per_core: 616 multiply-accumulates per ns per core for a
+            batched matmul with the batch dimension outermost in every operand, as our layouts
+            keep it. Fitted by ``spyre-jax bench calibrate`` on the measured B = 2, 4, 8 cases
+            of a [B, 1024, 2048] x [B, 2048, 1024] matmul (228 / 458 / 917 us: CARD.md,
+            calibration notes). torch-spyre's fit gives 160 per ns for the compiler's default
+            layout and "up to 8.3x faster" batch-outer (an upper bound, 1328, above the
+            sustained 1140); the default layout, which our schedules never choose, is not
+            modelled.
         relayout_bw: 116 GB/s, the device-memory rate of a re-layout (restickify: a transpose
             that moves the stick dim, a reshape across sticks). Public, calibrated (same
-            source). The timing model runs such stages at the lower of this and the mix rate.
+            source). The timing model runs such stages at this rate (reads and writes together),
+            not the mix rates of :meth:`memory_seconds`.
             The same fit's broadcast (118 GB/s) and cross-row reduction (113 GB/s) rates are not
-            used: the one direct measurement of a reduction kernel, the softmax above, ran at
-            128.6 GB/s, which the 113 GB/s rate would put at about 297 us instead of 261.
+            used: no kernel time of CARD.md pins them (a reduction along the rows has its own
+            rate, ``reduction_read_bw``).
         link_bw: 64 GB/s per direction, the card-to-card link tensor parallelism's collectives
             run on: PCIe gen5 x16 peer-to-peer (the card's bus; CARD.md). Assumption: no
             card-to-card bandwidth is published (CARD.md, "Serving configurations"), so the
@@ -120,10 +136,13 @@ class CardSpec:
     sfu_elems_per_cycle: int = 64
     sfu_ops_per_elem_transcendental: int = 4
     memory_bw_one_way: float = 150e9
-    memory_bw_balanced: float = 128.6e9
+    memory_bw_write_only: float = 132.5e9
+    memory_bw_balanced: float = 104e9
+    reduction_read_bw: float = 82.9e9
+    reduction_fixed_s: float = 2.16e-6
+    kernel_fixed_s: float = 0.86e-6
     pe_macs_per_ns_per_core: float = 1140.0
-    bmm_macs_per_ns_per_core: float = 160.0
-    bmm_batch_outer_speedup: float = 8.3
+    bmm_batch_outer_macs_per_ns_per_core: float = 616.0
     relayout_bw: float = 116e9
     link_bw: float = 64e9
     link_latency_s: float = 2e-6
@@ -141,9 +160,17 @@ class CardSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                 raise ValueError(f"CardSpec.{f.name} must be a positive number, got {v!r}")
-        if not self.memory_bw_balanced <= self.memory_bw_one_way <= self.device_memory_bw:
+        if not max(self.memory_bw_one_way, self.memory_bw_write_only) <= self.device_memory_bw:
             raise ValueError(
-                "CardSpec: memory_bw_balanced <= memory_bw_one_way <= device_memory_bw must hold"
+                "CardSpec: memory_bw_one_way and memory_bw_write_only must not exceed "
+                "device_memory_bw"
+            )
+        harmonic = 2 / (1 / self.memory_bw_one_way + 1 / self.memory_bw_write_only)
+        if self.memory_bw_balanced > harmonic * (1 + 1e-12):
+            raise ValueError(
+                "CardSpec: memory_bw_balanced must not exceed the harmonic mean of the read and "
+                f"write rates ({harmonic / 1e9:.1f} GB/s): an even mix is never faster than "
+                "reading and writing one after the other"
             )
         if self.scratchpad_usable_frac > 1:
             raise ValueError("CardSpec.scratchpad_usable_frac must be at most 1")
@@ -183,9 +210,9 @@ class CardSpec:
     @property
     def pe_flops_batched_per_core(self) -> float:
         """The fp16 flops per second one core's PEs sustain on a batched matmul in our layouts
-        (the batch dim outermost): ``bmm_macs_per_ns_per_core x bmm_batch_outer_speedup`` MAC
-        per ns, at most :attr:`pe_flops_sustained_per_core` (which binds with the defaults)."""
-        outer = 2 * self.bmm_macs_per_ns_per_core * self.bmm_batch_outer_speedup * 1e9
+        (the batch dim outermost): ``bmm_batch_outer_macs_per_ns_per_core`` MAC per ns, at most
+        :attr:`pe_flops_sustained_per_core`."""
+        outer = 2 * self.bmm_batch_outer_macs_per_ns_per_core * 1e9
         return min(self.pe_flops_sustained_per_core, outer)
 
     @property
@@ -194,19 +221,37 @@ class CardSpec:
         ``pe_macs_per_ns_per_core`` per ns, times the cores."""
         return 2 * self.pe_macs_per_ns_per_core * 1e9 * self.num_cores
 
-    def memory_bw(self, read_fraction: float) -> float:
-        """The device-memory bandwidth a stage achieves when ``read_fraction`` of its bytes are
-        reads: ``memory_bw_one_way`` for reads or writes only, ``memory_bw_balanced`` for an
-        even mix, linear in between (read/write turnarounds grow with the mix)."""
-        mix = 1.0 - abs(2.0 * min(max(read_fraction, 0.0), 1.0) - 1.0)
-        return self.memory_bw_one_way - (self.memory_bw_one_way - self.memory_bw_balanced) * mix
+    def memory_seconds(
+        self, reads: Any, writes: Any, read_bw: float | None = None, *, mixed: bool = True
+    ) -> Any:
+        """Seconds of device-memory traffic of ``reads`` and ``writes`` bytes: the reads at
+        ``read_bw`` (default ``memory_bw_one_way``), the writes at ``memory_bw_write_only``,
+        and (``mixed``: the two in flight together) a turnaround on the bytes that alternate
+        (the smaller of the two), which makes an even mix run at ``memory_bw_balanced``."""
+        r_bw = self.memory_bw_one_way if read_bw is None else read_bw
+        turn = 2 / self.memory_bw_balanced - 1 / self.memory_bw_one_way
+        turn -= 1 / self.memory_bw_write_only
+        # (per-step arrays of bytes too: device_model.timing)
+        alternating = np.minimum(reads, writes) if mixed else 0.0
+        return reads / r_bw + writes / self.memory_bw_write_only + alternating * turn
 
-    def bound_seconds(self, flops: float, min_bytes: float) -> float:
-        """The external bound of a kernel: ``max(min_bytes / memory_bw_one_way, flops /
+    def memory_bw(self, read_fraction: float, read_bw: float | None = None) -> float:
+        """The device-memory bandwidth a stage achieves when ``read_fraction`` of its bytes are
+        reads (:meth:`memory_seconds` of one byte so split): ``memory_bw_one_way`` for reads
+        only, ``memory_bw_write_only`` for writes only, ``memory_bw_balanced`` for an even mix."""
+        f = min(max(read_fraction, 0.0), 1.0)
+        return 1.0 / self.memory_seconds(f, 1.0 - f, read_bw)
+
+    def bound_seconds(
+        self, flops: float, min_bytes: float, flops_per_s: float | None = None
+    ) -> float:
+        """The external bound of a kernel's work: ``max(min_bytes / memory_bw_one_way, flops /
         bound_flops)``, its minimal device traffic (each input read once, each output written
-        once) at the measured one-way rate, or its flops at the sustained PE rate (CARD.md,
-        "Roofline of the card")."""
-        return max(min_bytes / self.memory_bw_one_way, flops / self.bound_flops)
+        once) at the measured read rate, or its flops at the sustained PE rate (CARD.md,
+        "Roofline of the card"); ``flops_per_s``: another PE roof (a batched matmul's). A
+        kernel's bound adds ``kernel_fixed_s`` (``device_model.timing.kernel_cost``)."""
+        rate = self.bound_flops if flops_per_s is None else flops_per_s
+        return max(min_bytes / self.memory_bw_one_way, flops / rate)
 
     @property
     def ring_bw_per_direction(self) -> float:

@@ -41,6 +41,7 @@ import numpy as np
 from .card import CardSpec
 from .kernel import Kernel, Stage
 from .layout import DTYPES
+from .ops import ROW_REDUCTIONS
 from .steps import MapStep, MatmulStep, SortStep, TakeStep
 
 __all__ = ["stage_cost", "kernel_cost"]
@@ -105,6 +106,33 @@ def _is_relayout(s: Stage) -> bool:
     return bool(dims) and dims[-1] != len(body.space) - 1
 
 
+def _reductions(s: Stage) -> int:
+    """How many reductions along the rows (the last space axis, the stick dim) a map stage's
+    body makes: in-program row reductions and a final one (a scan is not one)."""
+    if s.kind != "map" or not isinstance(s.step, MapStep):
+        return 0
+    body = s.step.body
+    last = len(body.space) - 1
+    n = sum(1 for op, _, p, _ in body.program if op in ROW_REDUCTIONS and last in p)
+    if body.reduce and not body.reduction.scan and last in body.reduce_axes:
+        n += 1
+    return n
+
+
+def _batched(s: Stage) -> bool:
+    """A batched matmul: [B, M, K] x [B, K, N] with B > 1 (a convolution's batch is images
+    sharing one kernel: a plain GEMM's rate)."""
+    return isinstance(s.step, MatmulStep) and s.grid[0] > 1 and s.step.window is None
+
+
+def _pe_seconds(s: Stage, card: CardSpec) -> float:
+    """The stage's flops at the card's PE roof for its kind of matmul (the batched rate for a
+    batched one), over all its cores."""
+    if _batched(s):
+        return s.flops / (card.pe_flops_batched_per_core * card.num_cores)
+    return s.flops / card.bound_flops
+
+
 def _block_bytes(block: tuple[int, ...], dtype: str) -> int:
     return math.prod(block) * DTYPES[dtype]
 
@@ -118,9 +146,7 @@ def _compute_time(s: Stage, card: CardSpec) -> tuple[float, float]:
     if isinstance(step, MatmulStep):
         lhs, rhs = s.inputs[:2]
         tm, tkp, tn = step.pe_block(lhs.block, rhs.block)
-        # [B, M, K] x [B, K, N] with B > 1: a batched matmul (a convolution's batch is images
-        # sharing one kernel: a plain GEMM's rate)
-        batched = s.grid[0] > 1 and step.window is None
+        batched = _batched(s)
         rate = card.pe_flops_batched_per_core if batched else card.pe_flops_sustained_per_core
         c_step = 2 * tm * tn * tkp / rate
         sfu_rate = card.sfu_elems_per_cycle * card.corelets_per_core * card.clock_hz
@@ -195,17 +221,38 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     if ep_s:
         C = C + ep_s * np.asarray(s.last, float)
     moved = float(L.sum() + S.sum())
-    bw = card.memory_bw(float(L.sum()) / moved if moved else 1.0)
-    if _is_relayout(s):
-        bw = min(bw, card.relayout_bw)
+    nred = _reductions(s)
+    # a stage that reduces along rows reads at the reduction rate (CardSpec.reduction_read_bw)
+    read_bw = min(card.memory_bw_one_way, card.reduction_read_bw) if nred else None
+    relayout = _is_relayout(s)
+
+    def mem(reads: Any, writes: Any) -> Any:
+        # the traffic in flight together, at the card's rates for its mix of reads and writes
+        # (CardSpec.memory_seconds); a re-layout at the measured restickify rate
+        if relayout:
+            return (reads + writes) / card.relayout_bw
+        return card.memory_seconds(reads, writes, read_bw)
+
     nxt_l = np.concatenate([L[1:], [0.0]])
     nxt_r = np.concatenate([R[1:], [0.0]])
     single = T > 1 and any(s.sp(op.sp).slots == 1 for op in s.inputs)
-    if single:
-        span = C + nxt_r + (nxt_l + S) / bw
+    first = float(mem(L[0], 0.0)) if T else 0.0
+    if T == 1:
+        # one step (the whole tensor at once in the scratchpads): on the card its loads, compute
+        # and stores stream through together, finer than the schedule's one block
+        first = 0.0
+        mem_t = mem(L, S)
+        span = np.maximum(C, mem_t)
+    elif single:
+        mem_t = mem(nxt_l, S)
+        span = C + nxt_r + mem_t
     else:
-        span = np.maximum(np.maximum(C, nxt_r), (nxt_l + _drain(S, s.sp(s.output.sp).slots)) / bw)
-    prologue = (L[0] / bw + R[0]) if T else 0.0
+        mem_t = mem(nxt_l, _drain(S, s.sp(s.output.sp).slots))
+        span = np.maximum(np.maximum(C, nxt_r), mem_t)
+    memory_s = first + float(np.sum(mem_t))
+    bw = moved / memory_s if memory_s else card.memory_bw_one_way  # the stage's average rate
+    # each reduction's synchronization across a row's sticks (CardSpec.reduction_fixed_s)
+    prologue = (first + R[0] + nred * card.reduction_fixed_s) if T else 0.0
     ends = prologue + np.cumsum(span)
     total = float(ends[-1]) if T else prologue
     starts = [float(prologue)] + [float(x) for x in ends[:-1]]
@@ -219,7 +266,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         "steps": T,
         "time_s": total,
         "compute_s": float(C.sum()),
-        "memory_s": float(L.sum() + S.sum()) / bw,
+        "memory_s": memory_s,
         "ring_s": float(R.sum()),
         "load_bytes": int(L.sum()),
         "store_bytes": int(S.sum()),
@@ -255,7 +302,9 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     dtypes = {t.name: t.layout.dtype for t in k.tensors}
     stages = [stage_cost(s, dtypes, card) for s in k.stages]
     padding = sum(t.layout.padding_bytes for t in k.tensors if t.role != "view")
-    total = sum(s["time_s"] for s in stages)
+    # the kernel's fixed device time (CardSpec.kernel_fixed_s): in its total and its bound
+    fixed = card.kernel_fixed_s
+    total = fixed + sum(s["time_s"] for s in stages)
     busy = {"PE": 0.0, "SFU": 0.0, "load/store": 0.0, "ring": 0.0}
     for s in stages:
         if s["unit"] in ("PE", "SFU"):
@@ -271,22 +320,30 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         for u, b in busy.items()
     }
     bound = max(busy, key=lambda u: busy[u]) if total else "none"
-    # the external bound: each input read once, each output written once, or the flops at the
-    # sustained PE rate (CardSpec.bound_seconds); the schedule's time over it
-    flops = float(sum(s["flops"] for s in stages))
+    # the external bound: the fixed cost, and each input read once and each output written
+    # once (at the card's read and write rates, CardSpec.memory_seconds), or the flops at the
+    # PE roof of their kind of matmul; the schedule's time over it
     sizes = {t.name: math.prod(t.layout.shape) * DTYPES[t.layout.dtype] for t in k.tensors}
-    ends = set(k.inputs) | set(k.outputs)  # an output may be a view of a temp (a free reshape)
-    min_bytes = float(sum(sizes[t.name] for t in k.tensors if t.name in ends or t.role == "const"))
-    bound_s = card.bound_seconds(flops, min_bytes)
-    # each stage's own bound (the fused op it runs: its inputs read once, its output written
-    # once, or its flops at the sustained rate); their sum is what a schedule of these stages,
-    # one after another, could reach at best
+    outs = set(k.outputs)  # an output may be a view of a temp (a free reshape)
+    reads = float(sum(sizes[t.name] for t in k.tensors if t.name in k.inputs or t.role == "const"))
+    writes = float(sum(sizes[t.name] for t in k.tensors if t.name in outs))
+    min_bytes = reads + writes
+    pe_s = sum(_pe_seconds(st, card) for st in k.stages)
+    # (the reads apart from the writes: no turnaround, which a schedule may avoid)
+    bound_s = fixed + max(card.memory_seconds(reads, writes, mixed=False), pe_s)
+    # each stage's own bound (the fused op it runs: its inputs read once, at the reduction rate
+    # for a row reduction, with its reductions' fixed costs; its output written once; or its
+    # flops at the PE roof); their sum is what a schedule of these stages, one after another,
+    # could reach at best
     for st, c in zip(k.stages, stages, strict=True):
-        nb = sum(sizes[n] for n in {op.tensor for op in st.inputs}) + sizes[st.output.tensor]
+        rd = float(sum(sizes[n] for n in {op.tensor for op in st.inputs}))
         if st.kind == "gather":
-            nb += sizes[st.output.tensor]  # the table's rows it reads
-        c["bound_s"] = card.bound_seconds(float(c["flops"]), float(nb))
-    stages_bound_s = sum(c["bound_s"] for c in stages)
+            rd += sizes[st.output.tensor]  # the table's rows it reads
+        nred = _reductions(st)
+        read_bw = min(card.memory_bw_one_way, card.reduction_read_bw) if nred else None
+        mem = card.memory_seconds(rd, float(sizes[st.output.tensor]), read_bw, mixed=False)
+        c["bound_s"] = nred * card.reduction_fixed_s + max(mem, _pe_seconds(st, card))
+    stages_bound_s = fixed + sum(c["bound_s"] for c in stages)
     out = {
         "flops": float(sum(s["flops"] for s in stages)),
         "device_bytes": float(sum(s["load_bytes"] + s["store_bytes"] for s in stages)),
@@ -295,7 +352,8 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         "scratchpad_usable_bytes": card.scratchpad_usable_bytes,
         "padding_bytes": padding,
         "cores_used": max((s["cores_used"] for s in stages), default=0),
-        "sim_time_us": sum(s["time_s"] for s in stages) * 1e6,
+        "sim_time_us": total * 1e6,
+        "fixed_us": fixed * 1e6,
         "compute_us": sum(s["compute_s"] for s in stages) * 1e6,
         "memory_us": sum(s["memory_s"] for s in stages) * 1e6,
         "ring_bytes": float(sum(s["ring_bytes"] for s in stages)),
@@ -309,4 +367,43 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
         "stages_bound_ratio": (total / stages_bound_s) if stages_bound_s else float("nan"),
         "stages": stages,
     }
+    return out
+
+
+#: the timing model's parameters (``CardSpec`` fields) whose share of a kernel's time
+#: :func:`parameter_shares` reports: True for a rate (the kernel is slower when it is lower),
+#: False for a time (slower when it is higher)
+MODEL_PARAMETERS: dict[str, bool] = {
+    "kernel_fixed_s": False,
+    "reduction_fixed_s": False,
+    "memory_bw_one_way": True,
+    "memory_bw_write_only": True,
+    "memory_bw_balanced": True,
+    "reduction_read_bw": True,
+    "relayout_bw": True,
+    "pe_macs_per_ns_per_core": True,
+    "bmm_batch_outer_macs_per_ns_per_core": True,
+    "sfu_elems_per_cycle": True,
+    "ring_bytes_per_cycle": True,
+}
+
+
+def parameter_shares(k: Kernel, card: CardSpec, step: float = 0.01) -> dict[str, float]:
+    """Each timing parameter's share of ``k``'s simulated time: the time's elasticity to it
+    (how much of the time grows with the parameter's cost: a kernel bound by device memory at
+    the balanced rate has a share near 1 for ``memory_bw_balanced``; a parameter the kernel
+    does not touch has 0). Measured by making each parameter ``step`` costlier in turn. A
+    term hidden behind another (overlapped) has none; the shares of terms that add up sum to
+    1, except where one term derives from several parameters (the turnaround of a read/write
+    mix grows with ``memory_bw_balanced`` 's cost and shrinks with the others')."""
+    base = kernel_cost(k, card)["sim_time_us"]
+    out: dict[str, float] = {}
+    for name, is_rate in MODEL_PARAMETERS.items():
+        v = getattr(card, name)
+        costlier = v / (1 + step) if is_rate else v * (1 + step)
+        try:
+            t = kernel_cost(k, card.replace(**{name: costlier}))["sim_time_us"]
+        except ValueError:  # (a rate the others must stay below: the share is not defined)
+            continue
+        out[name] = round(max(0.0, (t - base) / base / step), 4) if base else 0.0
     return out

@@ -12,10 +12,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from device_model.card import CardSpec
 from device_model.hostprog import LoadedProgram, Program, format_program, program_cost
 from device_model.kernel import Kernel, format_kernel
 from device_model.runtime import Executable, launch, runtime
-from device_model.timing import kernel_cost
+from device_model.timing import kernel_cost, parameter_shares
 from lowering.control import has_control, lower_program, unroll_scans
 from lowering.from_jaxpr import from_jaxpr
 from lowering.graph import Graph, format_graph
@@ -90,6 +91,14 @@ def _with_inlined(cost: dict[str, Any], inlined: list[dict]) -> dict[str, Any]:
     return {**cost, "inlined": list(inlined)} if inlined else cost
 
 
+def _with_shares(cost: dict[str, Any], kernel: Kernel | None, card: CardSpec) -> dict[str, Any]:
+    """``parameter_shares``: each timing parameter's share of one kernel's simulated time
+    (``device_model.timing.parameter_shares``)."""
+    if kernel is None:
+        return cost
+    return {**cost, "parameter_shares": parameter_shares(kernel, card)}
+
+
 class Compiled:
     """A function compiled for the card: its graph, its kernel (or its host program, for a
     function with loops or branches), the loaded executable and its figures."""
@@ -127,7 +136,8 @@ class Compiled:
         total time; a while loop's iterations are those of its last run). ``inlined``, when
         the compiler unrolled a loop or computed every branch of a cond and selected: one row
         each, with the figures it decided on."""
-        return _with_inlined(self.executable.cost_analysis(), self.inlined)
+        cost = _with_inlined(self.executable.cost_analysis(), self.inlined)
+        return _with_shares(cost, self.kernel, self.executable.rt.card)
 
     def as_text(self) -> str:
         """The schedule (the host program with its loops' bodies), readable."""
@@ -209,7 +219,7 @@ class Lowered:
             cost = program_cost(self.program, runtime().card)
         else:
             cost = kernel_cost(self.kernel, runtime().card)
-        return _with_inlined(cost, self.inlined)
+        return _with_shares(_with_inlined(cost, self.inlined), self.kernel, runtime().card)
 
 
 class Jitted:

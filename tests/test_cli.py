@@ -76,8 +76,8 @@ def test_bench_launch_and_softmax_json(capsys):
     )
     assert cli.main(["bench", "softmax", "--json"]) == 0
     sm = json.loads(capsys.readouterr().out)
-    assert sm["measured_us"] == 261.0
-    assert sm["ratio"] == pytest.approx(sm["model_us"] / 261.0)
+    assert sm["measured_us"] == 390.0
+    assert sm["ratio"] == pytest.approx(sm["model_us"] / 390.0)
 
 
 @pytest.mark.slow
@@ -290,15 +290,20 @@ def test_fuzz_shrinks_each_disagreement_and_exits_one(monkeypatch, capsys):
 
 
 def test_bench_calibrate_json(capsys):
-    # a published case: our schedule's time, the card's, the external bound (CARD.md's 90.9 us
-    # for this matmul: 13.6 MB at 150 GB/s) and the ratios
+    # a published case: our schedule's time, the card's, the ratio and the external bound
+    # (13.6 MB read and written at the card's read and write rates, plus the kernel's fixed
+    # cost); the family statistics and the fitted parameters
     argv = ["bench", "calibrate", "--models", "matmul-512x4096x1024", "--json"]
     assert cli.main(argv) == 0
-    r = json.loads(capsys.readouterr().out)["matmul-512x4096x1024"]
-    assert r["measured_us"] == 90.0 and r["model_us"] > 0
-    assert abs(r["bound_us"] - 90.9) < 0.1
+    res = json.loads(capsys.readouterr().out)
+    r = res["cases"]["matmul-512x4096x1024"]
+    assert r["measured_us"] == 90.0 and r["model_us"] > 0 and r["family"] == "matmul"
+    assert r["bound_us"] == pytest.approx(12.58e6 / 150e3 + 1.05e6 / 132.5e3 + 0.86, rel=1e-3)
     assert r["model_over_measured"] == pytest.approx(r["model_us"] / 90.0)
-    assert r["bound_ratio"] >= 1.0 and r["bound_unit"] in ("PE", "load/store", "ring", "SFU")
+    assert r["bound_ratio"] >= 1.0 - 1e-9 and r["bound_unit"] in ("PE", "load/store", "ring", "SFU")
+    assert res["families"]["matmul"]["cases"] == 1
+    assert res["fitted_parameters"] == 0  # one matmul fits nothing
+    assert any("ring" in e["what"] for e in res["excluded"])
     with pytest.raises(ValueError, match="softmax-4096x2048"):
         cli.main(["bench", "calibrate", "--models", "nope"])
 
