@@ -141,37 +141,31 @@ CASES: dict[str, Case] = {
         "does not time (its statistics kernel is the case above)",
     ),
     # ---- matmuls: decode (batch 4) and prefill (512 tokens) at Granite-3.3-8B's widths
-    "matmul-4x4096x4096": Case(
-        "matmul", _mm, ((4, 4096), (4096, 4096)), 214.0, _PERF, {"new": 214, "sendnn": 233}
-    ),
-    "matmul-4x4096x1024": Case(
-        "matmul", _mm, ((4, 4096), (4096, 1024)), 56.0, _PERF, {"new": 56, "sendnn": 62}
-    ),
-    "matmul-4x4096x12800": Case(
-        "matmul", _mm, ((4, 4096), (4096, 12800)), 721.0, _PERF, {"new": 721, "sendnn": 846}
-    ),
-    "matmul-512x4096x1024": Case(
-        "matmul", _mm, ((512, 4096), (4096, 1024)), 90.0, _FORK, {"new": 90, "sendnn": 106}
-    ),
-    "matmul-512x4096x4096": Case(
-        "matmul", _mm, ((512, 4096), (4096, 4096)), 318.0, _FORK, {"new": 318, "sendnn": 358}
-    ),
-    "matmul-512x4096x12800": Case(
-        "matmul", _mm, ((512, 4096), (4096, 12800)), 959.0, _FORK, {"new": 1020, "sendnn": 959}
-    ),
+    **{
+        f"matmul-{m}x4096x{n}": Case(
+            "matmul",
+            _mm,
+            ((m, 4096), (4096, n)),
+            float(min(new, old)),
+            src,
+            {"new": new, "sendnn": old},
+        )
+        for m, n, new, old, src in (
+            (4, 4096, 214, 233, _PERF),
+            (4, 1024, 56, 62, _PERF),
+            (4, 12800, 721, 846, _PERF),
+            (512, 1024, 90, 106, _FORK),
+            (512, 4096, 318, 358, _FORK),
+            (512, 12800, 1020, 959, _FORK),
+        )
+    },
     # ---- batched matmuls, the batch dimension outermost in every operand (our layouts)
-    "bmm-1x1024x2048x1024": Case(
-        "batched matmul", _mm, ((1, 1024, 2048), (1, 2048, 1024)), 148.0, _NOTES
-    ),
-    "bmm-2x1024x2048x1024": Case(
-        "batched matmul", _mm, ((2, 1024, 2048), (2, 2048, 1024)), 228.0, _NOTES
-    ),
-    "bmm-4x1024x2048x1024": Case(
-        "batched matmul", _mm, ((4, 1024, 2048), (4, 2048, 1024)), 458.0, _NOTES
-    ),
-    "bmm-8x1024x2048x1024": Case(
-        "batched matmul", _mm, ((8, 1024, 2048), (8, 2048, 1024)), 917.0, _NOTES
-    ),
+    **{
+        f"bmm-{b}x1024x2048x1024": Case(
+            "batched matmul", _mm, ((b, 1024, 2048), (b, 2048, 1024)), float(us), _NOTES
+        )
+        for b, us in ((1, 148), (2, 228), (4, 458), (8, 917))
+    },
     # ---- how many cores a kernel's memory traffic can use
     "gelu-1024x1024-32cores": Case(
         "core scaling", _gelu, _GELU_SHAPE, 40.5, _NOTES, derived=_GELU_DERIVED
