@@ -28,6 +28,7 @@ parameters), and the spyre function keeps its traced jaxpr per signature, so the
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -147,9 +148,39 @@ def _run_on_card(closed: Any, name: str, args: Sequence[Any]) -> list[Any]:
 
 
 def _impl(*args: Any, jaxpr: Any, name: str) -> list[Any]:
-    outs = _run_on_card(jaxpr, name, [_to_host(a) if _is_jax(a) else a for a in args])
+    outs = _run_on_card(jaxpr, name, [_to_card(a) if _is_jax(a) else a for a in args])
     hosts = [o if is_key_array(o) else np.asarray(o) for o in outs]
-    return list(jax_private.as_transfer(_as_jax, *hosts))
+    res = list(jax_private.as_transfer(_as_jax, *hosts))
+    for j, o in zip(res, outs, strict=True):
+        if not is_key_array(o):
+            _mirror(j, o)
+    return res
+
+
+#: id(JAX array) -> (a weak reference to it, the device array it was copied from): a result
+#: handed to JAX keeps its card copy while it lives, so a later card program that takes it
+#: (a gradient's residuals, the next step's input) reads it in place instead of copying it in
+_MIRRORS: dict[int, tuple[Any, Any]] = {}
+
+
+def _mirror(j: Any, dev: Any) -> None:
+    key = id(j)
+    try:
+        ref = weakref.ref(j, lambda _r, k=key: _MIRRORS.pop(k, None))
+    except TypeError:  # (not weakly referenceable: no mirror)
+        return
+    _MIRRORS[key] = (ref, dev)
+
+
+def _to_card(x: Any) -> Any:
+    """A JAX array as a card program's argument: its device copy where it has one (it is
+    immutable, so the copy holds its values), else its host values."""
+    hit = _MIRRORS.get(id(x))
+    if hit is not None and hit[0]() is x:
+        dev = hit[1]
+        if not dev.is_deleted() and dev.buffer.rt is runtime():  # (this card's, still there)
+            return dev
+    return _to_host(x)
 
 
 #: host values -> JAX arrays, through jax.jit's C++ fast path (one call for all of them, a

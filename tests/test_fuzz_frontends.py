@@ -27,7 +27,7 @@ from spyre_jax.tools import fuzz
 from spyre_jax.tools.fuzz import Case, programs, run_program
 from spyre_jax.tools.testing import assert_close
 
-N_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_EXAMPLES", "200"))
+N_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_EXAMPLES", "100"))  # more: SPYRE_FUZZ_EXAMPLES
 N_REAL_EXAMPLES = int(os.environ.get("SPYRE_FUZZ_REAL_EXAMPLES", "3"))
 
 _SETTINGS = {

@@ -242,6 +242,31 @@ def test_typed_keys_through_vmap_grad_and_jax_jit():
     _close(grad(x, sf), grad(x, cf))
 
 
+def test_residuals_stay_on_the_card_between_forward_and_backward(monkeypatch):
+    """The forward's results handed to JAX keep their device copies: the backward reads the
+    residuals in place (no copy in: before, each went card -> host -> JAX -> host -> card); a
+    copy of another card (set_card) is not used."""
+    from device_model import runtime as drt
+
+    copies = []
+    real = drt.copy_in
+    monkeypatch.setattr(drt, "copy_in", lambda h, lay, **k: copies.append(lay) or real(h, lay, **k))
+    w, x = jnp.asarray(W8), jnp.asarray(X8)
+    g = jax.grad(SLOSS)
+    want = jax.grad(_loss)(W8, X8)
+    _close(g(w, x), want)
+    copies.clear()
+    _close(g(w, x), want)
+    # w and x into the forward, x and the cotangent seed into the backward: no residual
+    assert len(copies) == 4, [c.shape for c in copies]
+    r = g(w, x)  # a JAX array with a device copy on this card ...
+    spyre_jax.set_card(spyre_jax.CardSpec())
+    try:  # ... taken on a new card: copied in again, not read from the old card
+        _close(g(r, x), jax.grad(_loss)(np.asarray(r), X8))
+    finally:
+        spyre_jax.set_card(spyre_jax.CardSpec())
+
+
 def test_mixing_a_device_array_with_a_tracer():
     w = spyre_jax.device_put(W8)
     _close(jax.grad(SLOSS, argnums=1)(w, X8), jax.grad(_loss, argnums=1)(W8, X8))
