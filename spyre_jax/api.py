@@ -91,12 +91,8 @@ def _with_inlined(cost: dict[str, Any], inlined: list[dict]) -> dict[str, Any]:
     return {**cost, "inlined": list(inlined)} if inlined else cost
 
 
-def _with_shares(cost: dict[str, Any], kernel: Kernel | None, card: CardSpec) -> dict[str, Any]:
-    """``parameter_shares``: each timing parameter's share of one kernel's simulated time
-    (``device_model.timing.parameter_shares``)."""
-    if kernel is None:
-        return cost
-    return {**cost, "parameter_shares": parameter_shares(kernel, card)}
+def _shares(kernel: Kernel | None, card: CardSpec) -> dict[str, float]:
+    return {} if kernel is None else parameter_shares(kernel, card)
 
 
 class Compiled:
@@ -136,8 +132,13 @@ class Compiled:
         total time; a while loop's iterations are those of its last run). ``inlined``, when
         the compiler unrolled a loop or computed every branch of a cond and selected: one row
         each, with the figures it decided on."""
-        cost = _with_inlined(self.executable.cost_analysis(), self.inlined)
-        return _with_shares(cost, self.kernel, self.executable.rt.card)
+        return _with_inlined(self.executable.cost_analysis(), self.inlined)
+
+    def parameter_shares(self) -> dict[str, float]:
+        """Each timing parameter's share of the kernel's simulated time (its elasticity:
+        ``device_model.timing.parameter_shares``); empty for a host program of kernels. Apart
+        from ``cost_analysis()``, which it would make about ten times slower."""
+        return _shares(self.kernel, self.executable.rt.card)
 
     def as_text(self) -> str:
         """The schedule (the host program with its loops' bodies), readable."""
@@ -219,7 +220,11 @@ class Lowered:
             cost = program_cost(self.program, runtime().card)
         else:
             cost = kernel_cost(self.kernel, runtime().card)
-        return _with_shares(_with_inlined(cost, self.inlined), self.kernel, runtime().card)
+        return _with_inlined(cost, self.inlined)
+
+    def parameter_shares(self) -> dict[str, float]:
+        """As :meth:`Compiled.parameter_shares`."""
+        return _shares(self.kernel, runtime().card)
 
 
 class Jitted:

@@ -308,6 +308,18 @@ def test_bench_calibrate_json(capsys):
         cli.main(["bench", "calibrate", "--models", "nope"])
 
 
+def test_bench_calibrate_plot(tmp_path, capsys):
+    # the model against the card's measurements, log-log, one marker per family, the 15% band
+    png = tmp_path / "cal.png"
+    names = "add-4x1x4096,softmax-4x1x4096,matmul-4x4096x1024"
+    assert cli.main(["bench", "calibrate", "--models", names, "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "add-4x1x4096" in out and "RMS err" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="--plot is for bench calibrate"):
+        cli.main(["bench", "schedules", "--models", "decode-1x4096x4096", "--plot", str(png)])
+
+
 def test_bench_schedules_json(capsys):
     # each case: simulated time, the bound, the ratio and the unit that bounds the schedule
     argv = ["bench", "schedules", "--models", "decode-1x4096x4096,gpt2-128x768x3072", "--json"]

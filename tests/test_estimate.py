@@ -151,8 +151,11 @@ def test_cli_estimate(tmp_path, capsys):
     assert cli.main(["estimate", str(cfg), "--tp", "2", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["tp"] == 2 and r["decode_ms_per_token"] > 0
-    assert cli.main(["estimate", str(cfg)]) == 0
+    assert all(len(pt) == 3 for pt in r["phases"]["prefill"]["layer"]["roofline"])
+    png = tmp_path / "est.png"
+    assert cli.main(["estimate", str(cfg), "--plot", str(png)]) == 0
     assert "decoder layer" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # a roofline and the time per layer kind
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model_type": "bert"}))
     assert cli.main(["estimate", str(bad)]) == 2

@@ -325,3 +325,23 @@ def test_identical_matmuls_are_tiled_once(monkeypatch):
     want = np.asarray(jax.jit(layers)(x, *ws)).astype(np.float32)
     got = np.asarray(spyre_jax.jit(layers)(x, *ws)).astype(np.float32)
     assert_close(got, want, dtype=np.float16)  # fp16 ulps of values below 1
+
+
+def test_parameter_shares_name_what_a_kernel_waits_for():
+    # each parameter's share of a kernel's time (its elasticity): a batched matmul waits for
+    # the batched PE rate, a softmax for device memory and the row-reduction rate, and
+    # neither for the ring's rate or the re-layout's
+    f16 = jnp.float16
+    bmm = spyre_jax.jit(_mm16).lower(
+        jax.ShapeDtypeStruct((8, 1024, 2048), f16), jax.ShapeDtypeStruct((8, 2048, 1024), f16)
+    )
+    sh = bmm.compile().parameter_shares()
+    assert sh == bmm.parameter_shares()
+    assert sh["bmm_batch_outer_macs_per_ns_per_core"] > 0.9
+    assert sh["pe_macs_per_ns_per_core"] == 0.0 and sh["relayout_bw"] == 0.0
+    sm = spyre_jax.jit(_softmax).lower(jax.ShapeDtypeStruct((1, 512, 4096), f16))
+    sh = sm.compile().parameter_shares()
+    assert sh["memory_bw_balanced"] > 0.5 and sh["reduction_read_bw"] > 0.3
+    assert 0 < sh["reduction_fixed_s"] < 0.1 and 0 < sh["kernel_fixed_s"] < 0.05
+    assert sh["bmm_batch_outer_macs_per_ns_per_core"] == 0.0
+    assert "parameter_shares" not in sm.compile().cost_analysis()

@@ -292,6 +292,12 @@ def main(args: Any) -> int:
         run, fmt = runs[args.which]
         res = run()
         print(json.dumps(res) if args.json else fmt(res))
+        if getattr(args, "plot", None):
+            if args.which != "calibrate":
+                raise ValueError("bench: --plot is for bench calibrate")
+            from .plots import plot_calibrate
+
+            plot_calibrate(res, args.plot)
         return 0
     if args.which != "sim":
         if args.which == "torch":

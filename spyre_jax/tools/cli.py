@@ -107,6 +107,10 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.trace:
         est.write_trace(r, args.trace)
     print(json.dumps(r) if args.json else est.format_estimate(r))
+    if args.plot:
+        from .plots import plot_estimate
+
+        plot_estimate(r, args.plot)
     return 0
 
 
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     pb.add_argument("--json", action="store_true", help="print one JSON object")
+    pb.add_argument(
+        "--plot", default=None, metavar="FILE", help="calibrate: draw the model against the card"
+    )
     pb.add_argument(
         "--reps", type=int, default=None, help="repetitions (default 5; models 1, sim 15)"
     )
@@ -205,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--json", action="store_true", help="print one JSON object")
     pe.add_argument(
         "--trace", default=None, help="write a Chrome trace of prefill and a decode step"
+    )
+    pe.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw a roofline of the kernels and the time per layer kind",
     )
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:

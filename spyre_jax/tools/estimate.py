@@ -341,7 +341,16 @@ def _head(m: ModelShape) -> Callable[..., Any]:
 
 def _cost(f: Callable[..., Any], args: tuple[Any, ...]) -> dict[str, Any]:
     c = spyre_jax.jit(f).lower(*args).compile().cost_analysis()
-    return {"us": float(c["sim_time_us"]), "unit": c.get("bound", "-"), "stages": len(c["stages"])}
+    return {
+        "us": float(c["sim_time_us"]),
+        "unit": c.get("bound", "-"),
+        "stages": len(c["stages"]),
+        # per stage: its flops, device bytes and time (the points of a roofline: --plot)
+        "roofline": [
+            [float(st["flops"]), float(st["load_bytes"] + st["store_bytes"]), st["time_s"] * 1e6]
+            for st in c["stages"]
+        ],
+    }
 
 
 def estimate(
