@@ -30,6 +30,7 @@ from . import (
     bench_train,
 )
 from .demo import demo_block, gpt2_small
+from .plots import plot_calibrate
 
 __all__ = [
     "SOFTMAX_MEASURED_US",
@@ -295,8 +296,6 @@ def main(args: Any) -> int:
         if getattr(args, "plot", None):
             if args.which != "calibrate":
                 raise ValueError("bench: --plot is for bench calibrate")
-            from .plots import plot_calibrate
-
             plot_calibrate(res, args.plot)
         return 0
     if args.which != "sim":

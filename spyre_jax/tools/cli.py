@@ -108,9 +108,7 @@ def _estimate(args: argparse.Namespace) -> int:
         est.write_trace(r, args.trace)
     print(json.dumps(r) if args.json else est.format_estimate(r))
     if args.plot:
-        from .plots import plot_estimate
-
-        plot_estimate(r, args.plot)
+        est.plot_estimate(r, args.plot)
     return 0
 
 
@@ -213,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument(
         "--trace", default=None, help="write a Chrome trace of prefill and a decode step"
     )
-    pe.add_argument(
-        "--plot",
-        default=None,
-        metavar="FILE",
-        help="draw a roofline of the kernels and the time per layer kind",
-    )
+    pe.add_argument("--plot", default=None, metavar="FILE", help="roofline, time per layer kind")
     args = p.parse_args(argv)
     if getattr(args, "reps", 0) is None:
         args.reps = {"models": 1, "sim": 15, "train": 3}.get(args.which, 5)

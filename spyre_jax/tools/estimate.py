@@ -41,6 +41,8 @@ from device_model.card import DEFAULT_CARD, CardSpec
 from device_model.memory import DeviceOOMError
 from spyre_jax.multicard import collective_seconds
 
+from .plots import plot_estimate
+
 __all__ = [
     "ConfigError",
     "DeviceOOMError",
@@ -48,6 +50,7 @@ __all__ = [
     "read_config",
     "estimate",
     "format_estimate",
+    "plot_estimate",
     "FAMILIES",
 ]
 
