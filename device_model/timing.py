@@ -3,11 +3,12 @@
 Per stage and step ``t`` the model counts, from the schedule's own tables:
 
 * ``L_t``: bytes loaded from device memory (whole blocks; gathers add their indirect rows),
-  ``S_t``: bytes stored, both against the shared device-memory bandwidth ``bw`` (below);
+  ``S_t``: bytes stored;
 * ``R_t``: ring time, the busiest directed ring link's bytes over ``ring_bytes_per_cycle`` per
   cycle (each forward takes the shorter way round the ring);
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
-  ``pe_flops_sustained_per_core`` (1140 MAC/ns, published), SFU element-ops over
+  ``pe_flops_sustained_per_core`` (1140 MAC/ns, published; a batched matmul at the measured
+  batch-outer rate, ``pe_flops_batched_per_core``), SFU element-ops over
   ``sfu_elems_per_cycle`` x corelets (a sort's compare-exchanges: :mod:`device_model.sorting`,
   shared evenly by its blocks). A matmul's epilogue (an elementwise map fused into
   its store) adds its SFU time to the last K step of each output block; its prologue (a norm's
@@ -15,16 +16,18 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
   step (the tile passes the SFUs before the PE: counted in series, not overlapped).
 
 Double buffering overlaps step t's compute with step t+1's loads and the stores in flight:
-``T = L_0/bw + R_0 + sum_t max(C_t, R_{t+1}, (L_{t+1} + D_t)/bw)``, where ``D_t`` is the store
+``T = M(L_0, 0) + R_0 + sum_t max(C_t, R_{t+1}, M(L_{t+1}, D_t))``, where ``D_t`` is the store
 bytes draining in step t's span: a step's stores spread over the spans up to the next step that
 stores (the output buffer's other slot), so an accumulating stage's stores of one round overlap
-the next round's K loop. Stages run one after another.
-``bw`` is the *achieved* device-memory bandwidth, which depends on the stage's read/write mix
-(:meth:`~device_model.card.CardSpec.memory_bw`): 150 GB/s for reads or writes only, 128.6 GB/s
-for an even mix (calibrated figures, see the :class:`~device_model.card.CardSpec` docstring); a
-re-layout (a transpose moving the stick dim, a reshape across sticks) runs at no more than the
-published restickify rate, 116 GB/s. A batched matmul's PEs run at the published batched rate
-for the batch dim outermost, as our layouts keep it (capped by the sustained rate).
+the next round's K loop. ``M(reads, writes)`` is the time of that traffic in flight together
+(:meth:`~device_model.card.CardSpec.memory_seconds`): reads at 150 GB/s, writes at 132.5, and a
+turnaround on the alternating bytes that makes an even mix run at 104 (measured rates, see the
+:class:`~device_model.card.CardSpec` docstring); a stage that reduces along its rows reads at
+``reduction_read_bw`` and pays ``reduction_fixed_s`` per reduction; a re-layout (a transpose
+moving the stick dim, a reshape across sticks) moves its bytes at the restickify rate,
+``relayout_bw``. A stage of one step streams its loads, compute and stores together
+(``max(C_0, M(L_0, S_0))``). Stages run one after another, after the kernel's fixed
+``kernel_fixed_s``.
 
 ``kernel_cost`` adds a per-unit breakdown: busy and idle time of the PEs, the SFUs, the load/store
 units (device-memory traffic) and the ring over the kernel, and the unit that bounds it (the
