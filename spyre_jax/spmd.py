@@ -357,7 +357,32 @@ def _dot(eqn: Any, vals: list[Any], specs: list[Spec], ctx: _Ctx):
     return [out], [spec]
 
 
+def _constraint(eqn: Any, vals: list[Any], specs: list[Spec], ctx: _Ctx):
+    """``jax.lax.with_sharding_constraint``: the value resharded as asked (a sharding this
+    module does not take, or a split that is not even, leaves it as it is)."""
+    sh = eqn.params.get("sharding")
+    shape = tuple(_aval(eqn.invars[0]).shape)
+    try:
+        want, _ = _spec_of(sh, len(shape), "with_sharding_constraint")
+    except (TypeError, ValueError, NotImplementedError):
+        return vals, specs
+    want = tuple(
+        a if a in ctx.sizes and ctx.splittable(n, a) else None
+        for n, a in zip(shape, want, strict=True)
+    )
+    return [ctx.reshard(vals[0], specs[0], want)], [want]
+
+
+def _nested_shard_map(eqn: Any, vals: list[Any], specs: list[Spec], ctx: _Ctx):
+    raise NotImplementedError(
+        "spyre_jax.jit: a jax.shard_map inside a function given in_shardings/out_shardings; "
+        "write the whole function as one shard_map (without shardings) or drop the shard_map"
+    )
+
+
 _RULES: dict[str, Rule] = {
+    "sharding_constraint": _constraint,
+    "shard_map": _nested_shard_map,
     "transpose": _transpose,
     "broadcast_in_dim": _broadcast,
     "reshape": _reshape,
@@ -407,7 +432,8 @@ def partition(
     arrays split by ``in_specs``; its results split by ``out_specs`` (None: as propagated)."""
     sizes = dict(mesh.shape)
     ctx = _Ctx(sizes)
-    for spec, aval in zip(in_specs, closed.in_avals, strict=True):
+    given = [(s, a) for s, a in zip(out_specs, closed.out_avals, strict=True) if s is not None]
+    for spec, aval in [*zip(in_specs, closed.in_avals, strict=True), *given]:
         for n, a in zip(aval.shape, spec, strict=True):
             if a is not None and a not in sizes:
                 raise ValueError(f"spyre_jax.jit: mesh axis {a!r} is not one of {tuple(sizes)}")

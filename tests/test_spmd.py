@@ -122,6 +122,17 @@ def test_a_gradient_of_a_sharded_function(mesh):
     _close(jax.grad(sl)(w, x), jax.grad(loss)(w, x))
 
 
+def test_a_sharding_constraint_inside_reshards(mesh):
+    """Regression: with_sharding_constraint was bound inside the per-card program (refused)."""
+    s = lambda *a: NamedSharding(mesh, P(*a))  # noqa: E731
+
+    def f(x):
+        return jax.lax.with_sharding_constraint(x * 2, s("tp")).sum(1)
+
+    x = _rand(8, 4, 6)  # (jax.jit cannot constrain to spyre devices: the plain function)
+    _close(spyre_jax.jit(f, in_shardings=s("dp", "tp"))(x), (x * 2).sum(1))
+
+
 def test_bad_shardings(mesh):
     x = _rand(6, 4)
     f = lambda x: x * 2  # noqa: E731
@@ -134,6 +145,13 @@ def test_bad_shardings(mesh):
     with pytest.raises(ValueError, match="not a prefix"):
         s = NamedSharding(mesh, P())
         spyre_jax.jit(f, in_shardings=(s, s))(x)
+    # regression: an out_shardings split that is not even was cut short, not refused
+    with pytest.raises(ValueError, match="does not split evenly"):
+        s = NamedSharding(mesh, P(None, "tp"))
+        spyre_jax.jit(lambda x: x[:, :3], out_shardings=s)(_rand(8, 6))
+    with pytest.raises(NotImplementedError, match="shard_map inside"):
+        inner = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"))
+        spyre_jax.jit(inner, in_shardings=NamedSharding(mesh, P("dp")))(_rand(8, 4))
     cpu = Mesh(np.array(jax.devices()[:1]), ("a",))
     with pytest.raises(LoweringError):
         spyre_jax.jit(f, in_shardings=NamedSharding(cpu, P("a")))(x)
