@@ -116,8 +116,21 @@ def _reductions(s: Stage) -> int:
         return 0
     body = s.step.body
     last = len(body.space) - 1
-    n = sum(1 for op, _, p, _ in body.program if op in ROW_REDUCTIONS and last in p)
-    if body.reduce and not body.reduction.scan and last in body.reduce_axes:
+    # which registers hold one value per row (the same along the row): an input not read along
+    # the rows, a constant, a row reduction's result, and what is computed from those alone
+    uniform = [
+        all(d != last for d, b in zip(v.dims, v.bcast, strict=True) if not b) for v in body.views
+    ]
+    n = 0
+    for op, args, p, _ in body.program:
+        if op in ROW_REDUCTIONS and last in p:
+            n += 1
+            uniform.append(True)
+        else:
+            uniform.append(all(uniform[a] for a in args))
+    # a final reduction of a row-uniform value (how the IR collapses a row's statistic to one
+    # value) is no second pass over the row: the card stores the statistic it already has
+    if body.reduce and not body.reduction.scan and last in body.reduce_axes and not uniform[-1]:
         n += 1
     return n
 
@@ -282,7 +295,9 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         # stage's start), compute time, load/store bytes and ring time, and its busy cores
         "timeline": {
             "prologue_s": float(prologue),
+            "first_load_s": float(first),  # the first step's loads before any compute
             "starts_s": starts,
+            "memory_s": np.broadcast_to(np.asarray(mem_t, float), (T,)).tolist(),
             "compute_s": C.tolist(),
             "load_bytes": [int(x) for x in L],
             "store_bytes": [int(x) for x in S],

@@ -16,10 +16,11 @@ Two processes, each a set of tracks (threads):
   where a stage has ring time).
 
 The per-core spans follow the timing model's double-buffering formula (``device_model.timing``):
-a stage starts with the prologue (step 0's loads over the achieved bandwidth, then its ring
-forwards); step ``t``'s compute runs from ``starts_s[t]`` for ``compute_s[t]``, and at the same
-time the load/store units move step ``t+1``'s loads and step ``t``'s stores
-(``(L[t+1] + S[t]) / bandwidth``) and the ring forwards step ``t+1``'s blocks. Stages run back to
+a stage starts with the prologue (step 0's loads, ``first_load_s``, then its ring forwards);
+step ``t``'s compute runs from ``starts_s[t]`` for ``compute_s[t]``, and at the same time the
+load/store units move step ``t+1``'s loads and step ``t``'s stores for ``memory_s[t]`` (the
+timing model's rates for that mix of reads and writes) and the ring forwards step ``t+1``'s
+blocks. A one-step stage has no prologue load: its loads stream with its compute. Stages run back to
 back from the kernel step's start. The device-memory bandwidth is shared, so every core that
 loads or stores in an interval is shown busy for the whole interval's traffic.
 
@@ -77,8 +78,8 @@ def _kernel_spans(rec: StepRecord) -> Iterator[_Span]:
             offset += st.get("time_s", 0.0)
             continue
         steps = st["steps"]
-        bw = tl["bandwidth"]
-        starts, comp = tl["starts_s"], tl["compute_s"]
+        starts, comp, mem_s = tl["starts_s"], tl["compute_s"], tl["memory_s"]
+        first = tl["first_load_s"]
         loads, stores, ring, cores = tl["load_bytes"], tl["store_bytes"], tl["ring_s"], tl["cores"]
         unit = st.get("unit", "load/store")
         base_args = {
@@ -94,33 +95,37 @@ def _kernel_spans(rec: StepRecord) -> Iterator[_Span]:
             here = tuple(cores[t])
             nxt = tuple(cores[t + 1]) if t + 1 < steps else ()
             a = {**base_args, "step_index": t}
+            # a one-step stage streams its loads with its compute (no load before it)
+            streamed = loads[0] if t == 0 and first == 0 else 0
             if t == 0:
-                if loads[0] > 0:
+                if first > 0:
                     yield _Span(
                         "load/store",
                         offset,
-                        loads[0] / bw,
+                        first,
                         here,
                         f"{name} load",
                         {**a, "load_bytes": loads[0], "store_bytes": 0, "phase": "prologue"},
                     )
                 if ring[0] > 0:
-                    yield _Span(
-                        "ring", offset + loads[0] / bw, ring[0], here, f"{name} ring", dict(a)
-                    )
+                    yield _Span("ring", offset + first, ring[0], here, f"{name} ring", dict(a))
             if unit in ("PE", "SFU") and comp[t] > 0:
                 yield _Span(unit, offset + starts[t], comp[t], here, name, dict(a))
             nl = loads[t + 1] if t + 1 < steps else 0
-            nbytes = nl + stores[t]
-            if nbytes > 0:
-                busy = set(here if stores[t] else ()) | set(nxt if nl else ())
+            if nl + stores[t] + streamed > 0 and mem_s[t] > 0:
+                busy = set(here if stores[t] or streamed else ()) | set(nxt if nl else ())
                 yield _Span(
                     "load/store",
                     offset + starts[t],
-                    nbytes / bw,
+                    mem_s[t],
                     tuple(sorted(busy)),
                     f"{name} load/store",
-                    {**a, "load_bytes": nl, "store_bytes": stores[t], "load_step": t + 1},
+                    {
+                        **a,
+                        "load_bytes": nl + streamed,
+                        "store_bytes": stores[t],
+                        "load_step": t if streamed else t + 1,
+                    },
                 )
             if t + 1 < steps and ring[t + 1] > 0:
                 yield _Span(

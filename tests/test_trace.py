@@ -296,7 +296,9 @@ def _stage(name: str, unit: str, bw: float) -> dict[str, Any]:
         "time_s": end,
         "timeline": {
             "prologue_s": L[0] / bw + R[0],
+            "first_load_s": L[0] / bw,
             "starts_s": starts,
+            "memory_s": [(L[1] + S[0]) / bw, S[1] / bw],
             "compute_s": C,
             "load_bytes": L,
             "store_bytes": S,
