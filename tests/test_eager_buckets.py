@@ -205,3 +205,38 @@ def test_a_whole_padded_result_read_at_its_bucket_is_masked_not_gathered():
         torch.testing.assert_close(r, (x + 1) * 2)
     keys = [k for p in eager._plans.values() if p.compiled is not None for k in p.compiled.variants]
     assert any(g is not None and g[0] == ("masked",) for k in keys for g in k)
+
+
+def _linear_calls(rows: int, w: torch.Tensor, g: torch.Generator) -> None:
+    x = torch.randn(rows, w.shape[0], generator=g)
+    got = (x.to("spyre") @ w.to("spyre")).cpu()
+    assert_close(got, x @ w)
+
+
+def test_a_prompt_then_one_token_compiles_the_prompts_bucket_so_a_new_length_compiles_nothing():
+    # generate(): the prefill at the prompt's length, then decode steps of one token; a second
+    # prompt length inside the bucket already seen (64) then compiles nothing
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=g)
+    before = _compiles()
+    _linear_calls(7, w, g)  # the first prompt: exact
+    first = _compiles() - before
+    assert first == 1
+    _linear_calls(1, w, g)  # a decode step: exact, and the prompt's bucket compiles now
+    assert _compiles() - before == 3
+    mid = _compiles()
+    for rows in (11, 30, 64, 2):  # other prompt lengths in the bucket
+        _linear_calls(rows, w, g)
+    assert _compiles() == mid
+    _linear_calls(100, w, g)  # a new bucket: its kernel only
+    assert _compiles() == mid + 1
+
+
+def test_sizes_that_vary_without_a_one_compile_only_what_runs():
+    # a static model's families with several sizes (a q and an up projection): no kernel is
+    # compiled ahead for them
+    g = torch.Generator().manual_seed(4)
+    before = _compiles()
+    _linear_calls(7, torch.randn(56, 40, generator=g), g)  # (shapes no other test compiles)
+    _linear_calls(7, torch.randn(56, 72, generator=g), g)  # dim 1 varies: its bucket (128)
+    assert _compiles() - before == 2

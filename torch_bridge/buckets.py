@@ -2,11 +2,18 @@
 grows by one each decode step) compiles once per bucket, not once per size.
 
 Dynamic detection is Dynamo's "automatic dynamic": per op and argument structure (ranks, dtypes,
-devices, static arguments), a tensor dimension seen with two different sizes (both above 1) is
-dynamic from then on. A dynamic dimension of ``n`` runs padded to :func:`bucket` ``(n)``: 64 up
-to 64, then the next power of two (every bucket is a whole number of 128-byte sticks for every
-dtype). The number of kernels then grows with log2 of the largest size, not with the number of
-sizes.
+devices, static arguments), a tensor dimension seen with two different sizes is dynamic from then
+on. A dynamic dimension of ``n`` > 1 runs padded to :func:`bucket` ``(n)``: 64 up to 64, then the
+next power of two (every bucket is a whole number of 128-byte sticks for every dtype); a size of 1
+runs as it is (a decode step's one token: padding it would multiply the work, and Dynamo counts 1
+apart too, but here seeing 8 and then 1 is what shows a prompt's length varies). The number of
+kernels then grows with log2 of the largest size, not with the number of sizes.
+
+A dimension seen at n > 1 and at 1 is how a prompt and its decode steps look (``generate()``'s
+prefill and then one token at a time); when that shows, the buckets of the family's earlier
+calls are compiled then (:func:`seen_sizes`), so a second prompt length inside a bucket already
+seen compiles nothing: the first prompt's calls ran at their own sizes before anything varied.
+(A cost of the first call: kernels a workload that never changes its lengths does not use.)
 
 Padding never changes a result: the padded inputs are filled so that the positions past each
 tensor's own size are neutral for the op, and the results are cropped back to their sizes.
@@ -27,7 +34,7 @@ import torch
 
 from .pad_rules import PadKind, fill_value, rule_of
 
-__all__ = ["bucket", "plan_padding", "dynamic_dims", "varied", "Padding", "reset"]
+__all__ = ["bucket", "plan_padding", "dynamic_dims", "seen_sizes", "varied", "Padding", "reset"]
 
 aten = torch.ops.aten
 
@@ -50,6 +57,12 @@ _PADDED = frozenset(
 _lock = threading.Lock()
 #: family -> per tensor leaf, per dim: the size first seen, or -1 once it has varied
 _seen: dict[Any, list[list[int]]] = {}
+#: family -> the distinct sizes of its calls (at most :data:`SIZES_KEPT`), as seen
+_sizes: dict[Any, list[list[list[int]]]] = {}
+#: families with a dimension that became dynamic since :func:`seen_sizes` last looked
+_fresh: set[Any] = set()
+#: distinct call sizes kept per family (for the buckets compiled when a dimension varies)
+SIZES_KEPT = 32
 
 
 def bucket(n: int) -> int:
@@ -63,6 +76,8 @@ def reset() -> None:
     """Forget which dimensions were seen to vary."""
     with _lock:
         _seen.clear()
+        _sizes.clear()
+        _fresh.clear()
 
 
 class Padding:
@@ -111,17 +126,47 @@ def varied(fam: Any, sizes: list[list[int]]) -> list[set[int]] | None:
         seen = _seen.get(fam)
         if seen is None:
             _seen[fam] = sizes
+            _sizes[fam] = [[list(s) for s in sizes]]
             return None
+        kept = _sizes[fam]
+        if len(kept) < SIZES_KEPT and sizes not in kept:
+            kept.append([list(s) for s in sizes])
         dyn: list[set[int]] = []
         for k, (old, new) in enumerate(zip(seen, sizes, strict=True)):
             d = set()
             for i, (a, b) in enumerate(zip(old, new, strict=True)):
-                if a != b and b > 1 and a != 1:
+                # two sizes seen (a size of 1 among them: it still runs as it is, below)
+                if a != b and a >= 1 and b >= 1:
                     seen[k][i] = -1
+                    if min(a, b) == 1:  # n and then 1: a prompt and its decode steps
+                        _fresh.add(fam)
                 if seen[k][i] == -1 and b > 1:
                     d.add(i)
             dyn.append(d)
     return dyn if any(dyn) else None
+
+
+def seen_sizes(op: Any, spec: Any, leaves: list) -> list[list[list[int]]]:
+    """Once after a dimension of this call's family became dynamic: the sizes of the family's
+    earlier calls (one list per leaf, empty for a non-tensor) that ran at their own sizes and now
+    belong to a bucket, whose kernels the caller compiles then, so that a later call of any size
+    in a bucket already seen compiles nothing (a second prompt length: the first prompt's calls
+    ran before the length was seen to vary); else an empty list."""
+    fam = _family(op, spec, leaves)
+    with _lock:
+        if fam not in _fresh:
+            return []
+        _fresh.discard(fam)
+        seen = _seen[fam]
+        return [
+            [list(s) for s in sizes]
+            for sizes in _sizes[fam]
+            if any(
+                seen[k][i] == -1 and n > 1 and bucket(n) != n
+                for k, row in enumerate(sizes)
+                for i, n in enumerate(row)
+            )
+        ]
 
 
 def _reduced_dims(op: Any, args: tuple, kwargs: dict, rank: int) -> set[int] | None:

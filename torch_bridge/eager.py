@@ -58,6 +58,7 @@ from .card_cat import try_card_cat
 from .errors import SpyreFallbackWarning
 from .host_ops import run_on_host
 from .kernels import load
+from .registration import eligible, is_tensor_type
 from .written import functional, functional_args, has_spyre_input, write_back, written_tensors
 
 __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
@@ -107,51 +108,13 @@ def reset_stats() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# which ops get a PrivateUse1 kernel of their own
-
-#: ops with lowering rules that are better left to their composite kernels (data movement:
-#: empty + copy_/fill_, which work on the payload directly)
-_NOT_REGISTERED = frozenset(
-    {
-        "aten::_to_copy",
-        "aten::clone",
-        "aten::lift_fresh_copy",
-        "aten::_unsafe_view",
-        "aten::full_like",
-        "aten::empty_like",
-        "aten::zeros_like",
-        "aten::ones_like",
-    }
-)
-
-
-def _eligible(op: Any) -> bool:
-    """A rule's op gets a spyre kernel if it computes (no view), has a tensor input and no
-    CompositeImplicitAutograd kernel (those decompose before reaching the backend)."""
-    if not isinstance(op, torch._ops.OpOverload):
-        return False
-    s = op._schema
-    if s.name in _NOT_REGISTERED:
-        return False
-    if any(r.alias_info is not None for r in s.returns):
-        return False
-    if any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
-        return False
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
-        return False
-    return any(_is_tensor_type(a.type) or "Tensor" in str(a.type) for a in s.arguments)
-
-
-def _is_tensor_type(t: Any) -> bool:
-    if isinstance(t, torch._C.OptionalType):
-        t = t.getElementType()
-    return isinstance(t, torch._C.TensorType)
+# which ops get a PrivateUse1 kernel of their own (torch_bridge.registration)
 
 
 def register_kernels(lib: torch.library.Library) -> None:
     """A PrivateUse1 kernel for every functional op ``lowering.from_fx`` has a rule for."""
     for op in list(RULES):
-        if _eligible(op) and op.namespace == "aten":  # (our own ops: registered by their owners)
+        if eligible(op) and op.namespace == "aten":  # (our own ops: registered by their owners)
             lib.impl(op, _kernel_for(op), "PrivateUse1")
 
 
@@ -256,10 +219,8 @@ def _slots(op: Any) -> tuple[frozenset, frozenset]:
     if r is None:
         args = op._schema.arguments
         r = (
-            frozenset(
-                i for i, a in enumerate(args) if not a.kwarg_only and _is_tensor_type(a.type)
-            ),
-            frozenset(a.name for a in args if _is_tensor_type(a.type)),
+            frozenset(i for i, a in enumerate(args) if not a.kwarg_only and is_tensor_type(a.type)),
+            frozenset(a.name for a in args if is_tensor_type(a.type)),
         )
         _lift_slots[op] = r
     return r
@@ -355,6 +316,8 @@ def _bucketed(
         return None
     outs = list(out) if isinstance(out, tuple | list) else [out]
     pad = buckets.plan_padding(op, spec, leaves, args, kwargs, outs)
+    for sizes in buckets.seen_sizes(op, spec, leaves):
+        _compile_bucket_of(op, spec, leaves, sizes)
     if pad is None:
         return None
     sig = [(e[0], pad.shapes[i], e[2]) if e[0] in ("T", "C") else e for i, e in enumerate(key[2])]
@@ -382,6 +345,27 @@ def _bucketed(
     lays = [layout_for(w, h.dtype, stick) for h, w in zip(have, pad.out_shapes, strict=True)]
     plan.pad = (pad, lays)
     return plan
+
+
+def _compile_bucket_of(op: Any, spec: Any, leaves: list, sizes: list[list[int]]) -> None:
+    """An earlier call of the family (``sizes``, :func:`buckets.seen_sizes`) on the bucket it
+    now belongs to: that kernel compiled now, so a later call of a size in that bucket (a second
+    prompt length) finds it. Speculative: where it cannot be built, the call that needs it
+    builds it (or says why) then."""
+    try:
+        vals = [
+            torch.empty(n, dtype=x.dtype, device=x.device)
+            if isinstance(x, torch.Tensor)
+            else x.v
+            if type(x) is _Lift
+            else x
+            for x, n in zip(leaves, sizes, strict=True)
+        ]
+        a, k = tree_unflatten(vals, spec)
+        leaves2, spec2, key2, _ = _signature(op, a, k)
+        _bucketed(op, leaves2, spec2, key2, a, k)
+    except Exception:  # noqa: BLE001, S110 - nothing of the user's call depends on it
+        pass
 
 
 def _fake_leaves(leaves: list, mode: Any) -> tuple[list, list]:
