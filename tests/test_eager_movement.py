@@ -170,7 +170,9 @@ def test_isin_over_growing_elements_runs_on_a_bucket():
         _same(torch.isin(ids.to("spyre"), eos.to("spyre")), torch.isin(ids, eos))
         if n == 7:
             before = _compiles()
-    assert _compiles() == before
+        if n == 31:  # the int32 rows' first bucket is one stick, 32 elements; then 64
+            assert _compiles() == before
+    assert _compiles() == before + 1
     for m in (2, 3, 4):  # the values looked up varying: exact, still right
         vals = torch.arange(m)
         _same(torch.isin(ids.to("spyre"), vals.to("spyre")), torch.isin(ids, vals))

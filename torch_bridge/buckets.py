@@ -65,10 +65,11 @@ _fresh: set[Any] = set()
 SIZES_KEPT = 32
 
 
-def bucket(n: int) -> int:
-    """The size a dynamic dimension of ``n`` runs at: 64 up to 64, then the next power of 2."""
-    if n <= MIN_BUCKET:
-        return MIN_BUCKET
+def bucket(n: int, least: int = MIN_BUCKET) -> int:
+    """The size a dynamic dimension of ``n`` runs at: ``least`` (64) up to it, then the next
+    power of 2. A stick dimension's ``least`` is a stick's elements (:func:`plan_padding`)."""
+    if n <= least:
+        return least
     return 1 << (n - 1).bit_length()
 
 
@@ -183,16 +184,80 @@ def _reduced_dims(op: Any, args: tuple, kwargs: dict, rank: int) -> set[int] | N
     return {int(x) % max(rank, 1) for x in d}
 
 
+#: the classes whose tensors' last dimensions meet no other dimension of another tensor: there
+#: a last dimension runs in whole sticks (a contraction's K is one operand's last dimension
+#: and the other's first; an attention's key length is the mask's last and the keys' third)
+_STICKY = frozenset(
+    {PadKind.POINTWISE, PadKind.REDUCTION, PadKind.MOMENTS, PadKind.POSITIONAL, PadKind.OF_FIRST}
+)
+
+
+def _aligned(leaves: list, var: list[set[int]]) -> list[set[int]]:
+    """A pointwise op's dynamic dims made the same on every tensor where they broadcast
+    together (aligned from the last; a size of 1 broadcasts and is never padded)."""
+    offs: set[int] = set()
+    for x, v in zip(leaves, var, strict=True):
+        if isinstance(x, torch.Tensor):
+            offs |= {x.dim() - d for d in v}
+    out = []
+    for x, v in zip(leaves, var, strict=True):
+        if isinstance(x, torch.Tensor) and offs:
+            r = x.dim()
+            v = v | {r - o for o in offs if 0 < o <= r and x.shape[r - o] > 1}
+        out.append(v)
+    return out
+
+
+def _stick_dims(
+    rule: Any, op: Any, leaves: list, args: tuple, kwargs: dict, stick_bytes: int
+) -> tuple[list[set[int]], int]:
+    """Each tensor leaf's last dimension where it is not a whole number of sticks (per leaf, a
+    set), and the elements of a stick of the widest of the call's card dtypes: the size those
+    dims round up to. Free on the card: every tensor's last dimension is stored in whole
+    sticks, and a stick of a narrower dtype holds a whole number of the widest's."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    width = max((min(x.element_size(), 4) for x in tensors), default=4)  # int64: int32 there
+    per = stick_bytes // width
+    dims: list[set[int]] = []
+    for k, x in enumerate(leaves):
+        last = x.dim() - 1 if isinstance(x, torch.Tensor) else -1
+        ok = last >= 0 and x.shape[last] > 1 and x.shape[last] % per != 0
+        if rule.kind is PadKind.OF_FIRST and k > 0:
+            ok = False  # the looked-up elements are never padded
+        if ok and rule.kind is PadKind.MOMENTS:
+            ok = last not in _reduced_dims(op, args, kwargs, x.dim())
+        dims.append({last} if ok else set())
+    return dims, per
+
+
 def plan_padding(
-    op: Any, spec: Any, leaves: list, args: tuple, kwargs: dict, outs: list[torch.Tensor]
+    op: Any,
+    spec: Any,
+    leaves: list,
+    args: tuple,
+    kwargs: dict,
+    outs: list[torch.Tensor],
+    stick_bytes: int = 0,
 ) -> Padding | None:
     """How this call runs on a bucket's kernel, or None (its exact sizes: nothing varied yet,
-    or an op whose results padding could change). ``outs``: the call's fake results."""
+    or an op whose results padding could change). ``outs``: the call's fake results.
+
+    With ``stick_bytes`` (the card's), a last dimension that is not a whole number of sticks
+    runs rounded up to whole sticks from the first call on (an op that is not a contraction):
+    the card stores it so anyway, and every length inside those sticks shares one kernel (a
+    prompt of 8 tokens and one of 13: their token rows are one stick of int32)."""
     rule = rule_of(op)
     if rule.kind not in _PADDED:
         return None
-    dyn = dynamic_dims(op, spec, leaves)
-    if dyn is None:
+    var = dynamic_dims(op, spec, leaves) or [set() for _ in leaves]
+    if rule.kind is PadKind.POINTWISE:
+        var = _aligned(leaves, var)
+    sticky: list[set[int]] = [set() for _ in leaves]
+    per = 0
+    if stick_bytes and rule.kind in _STICKY:
+        sticky, per = _stick_dims(rule, op, leaves, args, kwargs, stick_bytes)
+    dyn = [v | s for v, s in zip(var, sticky, strict=True)]
+    if not any(dyn):
         return None
     if rule.kind is PadKind.OF_FIRST and (
         not isinstance(leaves[0], torch.Tensor) or any(d for d in dyn[1:])
@@ -207,7 +272,15 @@ def plan_padding(
     fills: list[Any] = [None] * len(leaves)
     for i in tensors:
         x = leaves[i]
-        shapes[i] = tuple(bucket(n) if d in dyn[i] else n for d, n in enumerate(x.shape))
+        last = x.dim() - 1
+        shapes[i] = tuple(
+            (bucket(n, per) if per and d == last else bucket(n))
+            if d in var[i]
+            else -(-n // per) * per
+            if d in sticky[i]
+            else n
+            for d, n in enumerate(x.shape)
+        )
         fills[i] = 0 if x.dtype != torch.bool else False
     if rule.kind is PadKind.MASKED and isinstance(leaves[rule.arg], torch.Tensor):
         fills[rule.arg] = fill_value("lowest", leaves[rule.arg].dtype)

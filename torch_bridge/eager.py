@@ -315,7 +315,8 @@ def _bucketed(
     except Exception:  # noqa: BLE001 - the exact path reports what is wrong with the call
         return None
     outs = list(out) if isinstance(out, tuple | list) else [out]
-    pad = buckets.plan_padding(op, spec, leaves, args, kwargs, outs)
+    stick = runtime().card.stick_bytes
+    pad = buckets.plan_padding(op, spec, leaves, args, kwargs, outs, stick)
     for sizes in buckets.seen_sizes(op, spec, leaves):
         _compile_bucket_of(op, spec, leaves, sizes)
     if pad is None:
@@ -337,7 +338,6 @@ def _bucketed(
         for h, w in zip(have, pad.out_shapes, strict=True)
     ):
         return None
-    stick = runtime().card.stick_bytes
     plan = _Plan()
     plan.compiled, plan.inputs, plan.single = base.compiled, base.inputs, base.single
     # each result as torch makes it at the call's own sizes (the strides of a permuted input)
