@@ -228,6 +228,9 @@ def test_a_prompt_then_one_token_compiles_the_prompts_bucket_so_a_new_length_com
     _linear_calls(1, w, g)  # a decode step: exact, and the prompt's bucket compiles now
     assert _compiles() - before == 3
     mid = _compiles()
+    padded = eager.stats()["padded_launches"]
+    _linear_calls(7, w, g)  # the first prompt's length again: on the bucket now (as Dynamo's
+    assert eager.stats()["padded_launches"] == padded + 1  # dynamic graph takes every size)
     for rows in (11, 30, 64, 2):  # other prompt lengths in the bucket
         _linear_calls(rows, w, g)
     assert _compiles() == mid
@@ -243,3 +246,17 @@ def test_sizes_that_vary_without_a_one_compile_only_what_runs():
     _linear_calls(7, torch.randn(56, 40, generator=g), g)  # (shapes no other test compiles)
     _linear_calls(7, torch.randn(56, 72, generator=g), g)  # dim 1 varies: its bucket (128)
     assert _compiles() - before == 2
+
+
+def test_a_last_dimension_runs_in_whole_sticks_from_the_first_call():
+    # token rows of int64 (int32 on the card: 32 to a stick): every length up to 32 shares the
+    # first call's kernel, with nothing varied yet; a reduction over it fills with its identity
+    g = torch.Generator().manual_seed(5)
+    before = _compiles()
+    for n in (8, 13, 20, 32, 3):
+        ids = torch.randint(0, 9, (1, n), generator=g)
+        s = ids.to("spyre")
+        assert torch.equal((s == 4).cpu(), ids == 4)
+        assert torch.equal(s.cumsum(-1).cpu(), ids.cumsum(-1))
+        assert torch.equal((s > 2).all(-1).cpu(), (ids > 2).all(-1))
+    assert _compiles() - before <= 4  # eq, cumsum, gt, all: one kernel each

@@ -317,7 +317,13 @@ def _bucketed(
     outs = list(out) if isinstance(out, tuple | list) else [out]
     stick = runtime().card.stick_bytes
     pad = buckets.plan_padding(op, spec, leaves, args, kwargs, outs, stick)
-    for sizes in buckets.seen_sizes(op, spec, leaves):
+    earlier = buckets.seen_sizes(op, spec, leaves)
+    if earlier:  # the op's exact plans go: its earlier sizes run on their buckets from now on
+        for k in [k for k, p in _plans.items() if k[0][0] is op and p.pad is None]:
+            del _plans[k]
+        for k in [k for k in _fast if k[0] is op]:
+            del _fast[k]
+    for sizes in earlier:
         _compile_bucket_of(op, spec, leaves, sizes)
     if pad is None:
         return None

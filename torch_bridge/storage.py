@@ -536,7 +536,8 @@ def _view_source(
     result when it holds ``t``'s dtype (``masked`` when ``t`` is all of it and it is in
     ``layout`` already, ``reshape`` when only its leading dims are regrouped, ``box`` when
     ``t`` is a box of it), else the storage's bytes padded to a power of two (a size bucket of
-    bytes; ``flat`` when ``t`` is a contiguous run of them)."""
+    bytes, at least the target layout's elements; ``flat`` when ``t`` is a contiguous run of
+    them)."""
     pend = r.pending
     shape, off = tuple(t.shape), t.storage_offset()
     if pend is not None and pend.dtype == t.dtype:
@@ -572,7 +573,9 @@ def _view_source(
             order = tuple(sorted(range(len(stride)), key=lambda k: -stride[k]))
         dyn = [*dims, *shape, *key_strides(t), off]
         return ("card", lay.device_shape, len(lay.shape), order), dyn
-    n = 1 << (max(r.nbytes, 64) - 1).bit_length()
+    # (at least the target's elements in the source dtype: every size of one bucket gathers
+    # by one program)
+    n = 1 << (max(r.nbytes, 64, math.prod(layout.shape) * t.element_size()) - 1).bit_length()
     if shape == layout.shape and t.is_contiguous():  # a run of elements: a slice of them
         return ("flat", t.dtype, n), [off]
     return ("bytes", t.dtype, n), [*shape, *key_strides(t), off]
