@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from device_model.card import CardSpec
-from spyre_jax.tools import bench, cli, coverage_common
+from spyre_jax.tools import bench, bench_eager, cli, coverage_common
 
 
 @pytest.mark.slow
@@ -209,12 +209,25 @@ def test_bench_eager_json(capsys):
     g = r["generate"]
     assert g["tokens_equal"] == 3 and g["fallbacks"] == 0 and g["runs_agree"]
     assert g["compiles_warm"] == 0 and g["compiles_cold"] > 0
+    assert g["compiles_other_prompt"] == 0  # 4 and 9 tokens: buckets the first call compiled
     assert g["generate_warm_s"] > 0 and g["warm_over_cpu"] > 0
     d = r["decoding"]
     assert set(d) == {"greedy", "sample", "beam3"}
     assert all(v["fallbacks"] == 0 and v["card_ms_per_token"] > 0 for v in d.values())
     assert all(v["rounds"] == 1 for v in d.values())  # --reps rounds of the strategies in turn
     assert d["beam3"]["tokens_equal_cpu"] and d["greedy"]["tokens_equal_cpu"]
+
+
+@pytest.mark.slow
+def test_bench_eager_against_a_revision():
+    # this tree beside a git revision of it (here the same commit), each in a process of its
+    # own; every figure a median with its ratio
+    r = bench_eager.bench_against("HEAD", runs=1, reps=1, prompt=4, tokens=2)
+    f = r["figures"]
+    assert set(f) == {key for _, key in bench_eager.COMPARED}
+    assert f["add_host_us"]["before"] > 0 and f["add_host_us"]["now"] > 0
+    assert f["compiles_other_prompt"]["now"] == 0  # 4 and 9 tokens: one stick of int32 each
+    assert "now/before" in bench_eager.format_against(r)
 
 
 @pytest.mark.slow

@@ -211,17 +211,23 @@ def _aligned(leaves: list, var: list[set[int]]) -> list[set[int]]:
 def _stick_dims(
     rule: Any, op: Any, leaves: list, args: tuple, kwargs: dict, stick_bytes: int
 ) -> tuple[list[set[int]], int]:
-    """Each tensor leaf's last dimension where it is not a whole number of sticks (per leaf, a
-    set), and the elements of a stick of the widest of the call's card dtypes: the size those
-    dims round up to. Free on the card: every tensor's last dimension is stored in whole
-    sticks, and a stick of a narrower dtype holds a whole number of the widest's."""
+    """Each tensor leaf's last dimension where it is shorter than one stick (per leaf, a set;
+    only where every tensor is one row), and the elements of a stick of the widest of the
+    call's card dtypes: the size those dims round up to. Free on the card: every tensor's last
+    dimension is stored in whole sticks, and a stick of a narrower dtype holds a whole number of
+    the widest's."""
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     width = max((min(x.element_size(), 4) for x in tensors), default=4)  # int64: int32 there
     per = stick_bytes // width
+    if any(n > 1 for x in tensors for n in x.shape[:-1]):
+        # rows only (a prompt's tokens, its mask, its positions): a tensor of several rows
+        # keeps its sizes (its padded result would be gathered by the exact kernels after it),
+        # and its buckets (0: no stick size)
+        return [set() for _ in leaves], 0
     dims: list[set[int]] = []
     for k, x in enumerate(leaves):
         last = x.dim() - 1 if isinstance(x, torch.Tensor) else -1
-        ok = last >= 0 and x.shape[last] > 1 and x.shape[last] % per != 0
+        ok = last >= 0 and 1 < x.shape[last] < per
         if rule.kind is PadKind.OF_FIRST and k > 0:
             ok = False  # the looked-up elements are never padded
         if ok and rule.kind is PadKind.MOMENTS:
@@ -242,10 +248,12 @@ def plan_padding(
     """How this call runs on a bucket's kernel, or None (its exact sizes: nothing varied yet,
     or an op whose results padding could change). ``outs``: the call's fake results.
 
-    With ``stick_bytes`` (the card's), a last dimension that is not a whole number of sticks
-    runs rounded up to whole sticks from the first call on (an op that is not a contraction):
-    the card stores it so anyway, and every length inside those sticks shares one kernel (a
-    prompt of 8 tokens and one of 13: their token rows are one stick of int32)."""
+    With ``stick_bytes`` (the card's), the last dimension of a row shorter than one stick runs
+    at one stick from the first call on (an op that is not a contraction): the card stores it
+    so anyway, and every length inside the stick shares one kernel (a prompt of 8 tokens and
+    one of 13: their token rows are one stick of int32). Longer rows and tensors of several
+    rows keep their sizes until they vary (a padded result costs the exact kernels after it a
+    gather)."""
     rule = rule_of(op)
     if rule.kind not in _PADDED:
         return None

@@ -275,6 +275,13 @@ def main(args: Any) -> int:
         "eager": (
             lambda: bench_eager.bench_eager(reps=args.reps, prompt=args.seq, tokens=args.tokens),
             bench_eager.format_eager,
+        )
+        if not getattr(args, "against", None)
+        else (
+            lambda: bench_eager.bench_against(
+                args.against, reps=args.reps, prompt=args.seq, tokens=args.tokens
+            ),
+            bench_eager.format_against,
         ),
         "serve": (
             lambda: bench_serve.bench_serve(

@@ -21,9 +21,15 @@ Two figures, each measured side by side with eager CPU in the same run:
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +39,7 @@ from torch_bridge import device as dev
 from .bench_models import format_table
 from .bench_serve import llama_tiny
 
-__all__ = ["bench_eager", "format_eager"]
+__all__ = ["bench_eager", "format_eager", "bench_against", "format_against"]
 
 
 def _per_call(fn: Any, calls: int, reps: int) -> float:
@@ -242,3 +248,76 @@ def format_eager(res: dict[str, Any]) -> str:
         width=12,
     )
     return op + "\n\n" + gen + "\n\n" + dec
+
+
+#: the figures :func:`bench_against` compares: (section, key)
+COMPARED = (
+    ("op", "add_host_us"),
+    ("generate", "generate_steady_s"),
+    ("generate", "generate_cpu_s"),
+    ("generate", "steady_over_cpu"),
+    ("generate", "compiles_other_prompt"),
+    ("generate", "other_prompt_s"),
+    ("generate", "compiles_cold"),
+    ("generate", "generate_cold_s"),
+)
+
+
+def _run_tree(root: str, args: list[str]) -> dict[str, Any]:
+    """``spyre-jax bench eager --json`` of the tree at ``root``, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "spyre_jax", "bench", "eager", "--json", *args]
+    out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench eager in {root} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_against(
+    rev: str, *, runs: int = 3, reps: int = 3, prompt: int = 8, tokens: int = 24
+) -> dict[str, Any]:
+    """This tree's ``bench eager`` beside git revision ``rev``'s (checked out in a temporary
+    worktree), ``runs`` times each, in turn (each in a fresh process: its cold figures are
+    its own); each figure the median of the runs, and now / before."""
+    root = str(Path(__file__).resolve().parents[2])
+    args = ["--reps", str(reps), "--seq", str(prompt), "--tokens", str(tokens)]
+    with tempfile.TemporaryDirectory() as tmp:
+        where = os.path.join(tmp, "tree")
+        git = ["git", "-C", root]
+        subprocess.run(
+            [*git, "worktree", "add", "--detach", where, rev], check=True, capture_output=True
+        )
+        try:
+            res: dict[str, list[dict[str, Any]]] = {"before": [], "now": []}
+            for _ in range(runs):
+                res["before"].append(_run_tree(where, args))
+                res["now"].append(_run_tree(root, args))
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", where], capture_output=True)
+    table = {}
+    for sec, key in COMPARED:
+        b = [r[sec][key] for r in res["before"] if key in r[sec]]
+        n = [r[sec][key] for r in res["now"]]
+        mb = statistics.median(b) if b else None
+        mn = statistics.median(n)
+        table[key] = {
+            "before": mb,
+            "now": mn,
+            "now_over_before": (mn / mb) if mb else None,
+            "before_runs": b,
+            "now_runs": n,
+        }
+    return {"rev": rev, "runs": runs, "figures": table}
+
+
+def format_against(res: dict[str, Any]) -> str:
+    """:func:`bench_against`'s table."""
+    lines = [f"bench eager: this tree beside {res['rev']} (median of {res['runs']} runs each)"]
+    lines.append(f"{'figure':<24} {'before':>10} {'now':>10} {'now/before':>11}")
+    for key, f in res["figures"].items():
+        b, n, r = f["before"], f["now"], f["now_over_before"]
+        lines.append(
+            f"{key:<24} {'-' if b is None else f'{b:.3g}':>10} {n:>10.3g} "
+            f"{'-' if r is None else f'{r:.2f}':>11}"
+        )
+    return "\n".join(lines)

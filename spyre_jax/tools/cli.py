@@ -177,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         help="serve, eager, jax-decode: new tokens (16; eager 24)",
     )
     pb.add_argument(
+        "--against",
+        default=None,
+        metavar="REV",
+        help="eager: beside git revision REV of this tree (a worktree), median of 3 runs each",
+    )
+    pb.add_argument(
         "--cache",
         choices=["static", "dynamic"],
         default="static",
