@@ -176,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="serve, eager, jax-decode: new tokens (16; eager 24)",
     )
-    pb.add_argument(
-        "--against",
-        default=None,
-        metavar="REV",
-        help="eager: beside git revision REV of this tree (a worktree), median of 3 runs each",
-    )
+    pb.add_argument("--against", metavar="REV", help="eager: beside git revision REV, 3 runs")
     pb.add_argument(
         "--cache",
         choices=["static", "dynamic"],
