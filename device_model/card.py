@@ -40,6 +40,15 @@ class CardSpec:
         device_memory_ecc_bytes: 16 GB of it holds ECC, leaving 112 GB usable. Public.
         device_memory_bw: 204.8 GB/s aggregate peak. Public (``_HBM_BW_GBS``).
         ring_bytes_per_cycle: 128 B per cycle per direction on the bidirectional ring. Public.
+            The rate of the operand forwarding inside a kernel (a uniform shift, a multicast, an
+            all-to-all pattern: each the busiest link's bytes at this rate).
+        ring_fixed_s: 5 ns per ring transfer step of a kernel, torch-spyre's fitted ring term
+            (public, calibrated on 1535 kernels: "below measurement noise, about 5 ns"). The
+            calibration notes' stand-alone ring kernels (a shift, 58 us fixed; an all-to-all,
+            7.3 us fixed at 36 GB/s; CARD.md, secondary) are data-movement kernels of their own,
+            which no JAX or torch op lowers to here; the model follows torch-spyre for the
+            forwarding inside kernels, which every published matmul (forwarding at each step,
+            within 10% of the model) bears out (``spyre-jax bench calibrate`` lists them).
         max_span_bytes: 256 MiB, the largest contiguous span one core addresses. Public
             (``MAX_SPAN_BYTES``).
         pcie_bw: 64 GB/s, PCIe gen5 x16 per direction (32 GT/s x 16 lanes, 128b/130b coding
@@ -131,6 +140,7 @@ class CardSpec:
     device_memory_ecc_bytes: int = 16 * GB
     device_memory_bw: float = 204.8e9
     ring_bytes_per_cycle: int = 128
+    ring_fixed_s: float = 5e-9
     max_span_bytes: int = 256 * MiB
     pcie_bw: float = 64e9
     sfu_elems_per_cycle: int = 64

@@ -35,7 +35,7 @@ import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "Token",
@@ -90,6 +90,8 @@ class StreamError(RuntimeError):
 
 Clock = tuple[tuple[int, int], ...]  # sorted (stream id, steps seen) pairs
 
+_UNKNOWN = object()  # PIPELINE_OF's answer for a kind it does not know
+
 
 def _merge(*clocks: Clock) -> Clock:
     first = clocks[0]
@@ -121,9 +123,9 @@ def _bump(clock: Clock, stream: int, seq: int) -> Clock:
     return tuple(sorted(d.items()))
 
 
-@dataclass(frozen=True, slots=True)
-class Token:
-    """An effect token: what a stream has done, in order (immutable; see the module docstring).
+class Token(NamedTuple):
+    """An effect token: what a stream has done, in order (immutable; see the module docstring;
+    a named tuple: one is made by every step, and a tuple is the cheapest immutable value).
 
     ``seq`` counts the stream's steps so far; ``clock`` is the vector clock; ``time`` the
     simulated time (s) at which all of it has completed; ``step`` the id of the step that
@@ -160,9 +162,9 @@ class Event:
         return f"<spyre Event {self.name} {state}>"
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One submitted step, as the timeline keeps it (what the trace shows)."""
+class StepRecord(NamedTuple):
+    """One submitted step, as the timeline keeps it (what the trace shows; an immutable named
+    tuple, made by every step)."""
 
     id: int
     kind: str
@@ -273,10 +275,13 @@ class Queues:
 
         ``checked``: the caller ran :meth:`check_reads` for these reads just before (a launch
         refuses a race before allocating), so the check is not repeated."""
-        if kind not in PIPELINE_OF:
+        pipe = PIPELINE_OF.get(kind, _UNKNOWN)
+        if pipe is _UNKNOWN:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
-            st = self.state(stream)
+            st = self.streams.get(stream)  # state(), inlined: every step comes here
+            if st is None or not st.alive:
+                st = self.state(stream)  # raises the StreamError
             tok = st.token
             if waits:
                 waits = tuple(waits)
@@ -287,9 +292,10 @@ class Queues:
                 start = max(tok.time, self.host_time)
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)
-            pipe = PIPELINE_OF[kind]
             if pipe is not None:
-                start = max(start, self.pipe_free[pipe])
+                free = self.pipe_free[pipe]
+                if free > start:
+                    start = free
             end = start + duration
             seq = tok.seq + 1
             rec = StepRecord(

@@ -4,8 +4,8 @@ Per stage and step ``t`` the model counts, from the schedule's own tables:
 
 * ``L_t``: bytes loaded from device memory (whole blocks; gathers add their indirect rows),
   ``S_t``: bytes stored;
-* ``R_t``: ring time, the busiest directed ring link's bytes over ``ring_bytes_per_cycle`` per
-  cycle (each forward takes the shorter way round the ring);
+* ``R_t``: ring time, ``ring_fixed_s`` plus the busiest directed ring link's bytes over
+  ``ring_bytes_per_cycle`` per cycle (each forward takes the shorter way round the ring);
 * ``C_t``: the slowest core's compute: PE flops (on padded sticks) at the sustained rate
   ``pe_flops_sustained_per_core`` (1140 MAC/ns, published; a batched matmul at the measured
   batch-outer rate, ``pe_flops_batched_per_core``), SFU element-ops over
@@ -75,7 +75,7 @@ def _ring_time(transfers: list[tuple[int, int, int, int]], card: CardSpec) -> fl
             c = nxt
     if not links:
         return 0.0
-    return max(links.values()) / card.ring_bytes_per_cycle / card.clock_hz
+    return card.ring_fixed_s + max(links.values()) / card.ring_bytes_per_cycle / card.clock_hz
 
 
 def _drain(S: np.ndarray, slots: int) -> np.ndarray:
@@ -403,6 +403,7 @@ MODEL_PARAMETERS: dict[str, bool] = {
     "bmm_batch_outer_macs_per_ns_per_core": True,
     "sfu_elems_per_cycle": True,
     "ring_bytes_per_cycle": True,
+    "ring_fixed_s": False,
 }
 
 

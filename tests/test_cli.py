@@ -210,6 +210,10 @@ def test_bench_eager_json(capsys):
     assert g["tokens_equal"] == 3 and g["fallbacks"] == 0 and g["runs_agree"]
     assert g["compiles_warm"] == 0 and g["compiles_cold"] > 0
     assert g["compiles_other_prompt"] == 0  # 4 and 9 tokens: buckets the first call compiled
+    assert g["compiles_inside_prompt"] == 0 and g["inside_prompt"] == 2
+    # the simulated card's XLA programs are counted (the cold call compiles every kernel's)
+    assert g["host_programs_cold"] >= g["compiles_cold"] > 0
+    assert g["host_programs_inside_prompt"] >= 0 and g["host_programs_other_prompt"] >= 0
     assert g["generate_warm_s"] > 0 and g["warm_over_cpu"] > 0
     d = r["decoding"]
     assert set(d) == {"greedy", "sample", "beam3"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,12 +152,40 @@ def test_ring_broadcast_is_a_multicast():
     nbytes = 256 * 1024
     bcast = [(0, 0, d, nbytes) for d in range(1, 32)]
     one_link = nbytes / card.ring_bytes_per_cycle / card.clock_hz
-    assert _ring_time(bcast, card) == pytest.approx(one_link)
+    fixed = card.ring_fixed_s
+    assert _ring_time(bcast, card) == pytest.approx(fixed + one_link)
     # two different operands from the same source do share the links
     two = bcast + [(1, 0, d, nbytes) for d in range(1, 32)]
-    assert _ring_time(two, card) == pytest.approx(2 * one_link)
+    assert _ring_time(two, card) == pytest.approx(fixed + 2 * one_link)
     # a point-to-point copy over 3 hops loads each of its links once
-    assert _ring_time([(0, 5, 8, nbytes)], card) == pytest.approx(one_link)
+    assert _ring_time([(0, 5, 8, nbytes)], card) == pytest.approx(fixed + one_link)
+    # no transfer, no time (the fixed cost is a transfer step's)
+    assert _ring_time([], card) == 0.0
+
+
+def test_ring_fixed_cost_is_a_parameter_of_forwarding_kernels():
+    # the ring's fixed cost per transfer step (torch-spyre's fitted ring term, 5 ns) is charged
+    # to every step that forwards over the ring: a matmul's, not an elementwise kernel's
+    import jax.numpy as jnp
+
+    from device_model.timing import _ring_time
+
+    card = spyre_jax.CardSpec()
+    assert card.ring_fixed_s == pytest.approx(5e-9)
+    slow = card.replace(ring_fixed_s=1e-3)
+    shift = [(0, c, (c + 1) % 32, 4096) for c in range(32)]  # a uniform shift, p -> p+1
+    assert _ring_time(shift, slow) - _ring_time(shift, card) == pytest.approx(1e-3 - 5e-9)
+    a = jnp.ones((512, 512), jnp.float16)
+    mm = spyre_jax.jit(lambda x, y: x @ y).lower(a, a).compile()
+    add = spyre_jax.jit(lambda x, y: x + y).lower(a, a).compile()
+    from device_model.timing import kernel_cost
+
+    def us(c: Any, spec: Any) -> float:
+        return kernel_cost(c.kernel, spec)["sim_time_us"]
+
+    assert us(mm, slow) > us(mm, card) + 1e3  # at least one ring step of 1 ms
+    assert us(add, slow) == pytest.approx(us(add, card))
+    assert add.parameter_shares()["ring_fixed_s"] == 0.0
 
 
 def test_published_kernels_within_15_percent():

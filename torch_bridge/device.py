@@ -248,8 +248,10 @@ _VIEW_OPS = ("view", "as_strided", "_reshape_alias", "unfold", "view_as_real", "
 
 
 def _view_kernel(op: Any) -> Any:
+    redispatch = op._handle.redispatch_boxed  # (OpOverload.redispatch, less a Python frame)
+
     def k(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return op.redispatch(CPU_KEYS, *args, **kwargs)
+        return redispatch(CPU_KEYS, *args, **kwargs)
 
     return k
 

@@ -136,7 +136,7 @@ def fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     card, and what the card cannot run goes to the CPU with a warning."""
     s = op._schema
     if s.returns and all(r.alias_info is not None and not r.alias_info.is_write for r in s.returns):
-        return op.redispatch(st.CPU_KEYS, *args, **kwargs)
+        return op._handle.redispatch_boxed(st.CPU_KEYS, *args, **kwargs)
     st.check_same_device(tree_flatten((args, kwargs))[0])
     written = written_tensors(op, args, kwargs)
     if not has_spyre_input(op, args, kwargs):

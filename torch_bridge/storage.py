@@ -655,6 +655,7 @@ def _host_gathered(t: torch.Tensor, layout: TensorLayout, fill: Any) -> np.ndarr
     return data
 
 
+@functools.cache  # the module, kept: an import statement costs a microsecond per operand
 def _relayout() -> Any:
     """:mod:`torch_bridge.relayout` (JAX: loaded with the first launch that needs it, never by
     ``import torch``)."""
@@ -671,7 +672,7 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     pend = r.pending
     if pend is not None:
         if (
-            pend.layout == layout
+            (pend.layout is layout or pend.layout == layout)
             and t.storage_offset() == 0
             and pend.dtype == t.dtype
             and tuple(t.shape) == layout.shape

@@ -9,8 +9,11 @@ Two figures, each measured side by side with eager CPU in the same run:
 * ``model.generate()`` on the device (``model.to("spyre")``, the default dynamic KV cache, greedy)
   for the 2-layer Llama of ``bench serve``: wall time cold (the first call: kernels compile) and
   warm (the second call) and steady (the median of the next three), beside eager CPU's (fp32,
-  warm, the median of three), the kernels compiled by each call, a second prompt of
-  another length, CPU fallbacks, and whether the tokens equal the CPU's;
+  warm, the median of three), the kernels compiled by each call and the simulated card's XLA
+  programs (a kernel's, or its operands' gathers fused into it), a second prompt whose whole
+  generation stays inside the size buckets the first saw (``prompt - 2``) and one that grows
+  past them (``prompt + 5``: 37 positions, past one int32 stick of 32), CPU fallbacks, and
+  whether the tokens equal the CPU's;
 * the decoding strategies on the device for the same model: greedy, sampling (``top_k`` 50,
   ``top_p`` 0.9, temperature 0.8: ``torch.sort``, ``topk``, ``scatter``, ``multinomial`` and the
   card's random numbers) and beam search (3 beams: ``topk``, ``floor_divide``): the steady wall
@@ -76,6 +79,37 @@ def _op_costs(reps: int) -> dict[str, float]:
     }
 
 
+class _HostPrograms:
+    """Counts the XLA programs compiled while it is active (the simulated card's programs: a
+    kernel's, or a gather fused into one; ``jax.monitoring``'s backend-compile events)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.on = False
+
+    def __call__(self, event: str, duration: float, **_: Any) -> None:
+        if self.on and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self) -> _HostPrograms:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        self.on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import jax.monitoring
+
+        self.on = False
+        jax.monitoring.unregister_event_duration_listener(self)
+
+    def since(self, mark: int) -> int:
+        return self.count - mark
+
+
 def _generate(model: Any, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
     t = time.perf_counter()
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -94,25 +128,32 @@ def _generate_costs(prompt: int, tokens: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, prompt), generator=g)
     ids2 = torch.randint(0, vocab, (1, prompt + 5), generator=g)
+    # a prompt whose whole generation stays inside the size buckets the first one saw
+    ids3 = torch.randint(0, vocab, (1, max(prompt - 2, 1)), generator=g)
     with torch.no_grad():
         _generate(model, ids, tokens)  # warm-up: transformers' own first-call costs
         want, _ = _generate(model, ids, tokens)
         cpu_s = statistics.median(_generate(model, ids, tokens)[1] for _ in range(3))
         model.to("spyre")
         dev.reset_stats()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _HostPrograms() as hp:
             warnings.simplefilter("ignore")
             got, cold_s = _generate(model, ids.to("spyre"), tokens)
-            cold_compiles = dev.compile_count()
+            cold_compiles, cold_programs = dev.compile_count(), hp.count
             got2, warm_s = _generate(model, ids.to("spyre"), tokens)
             warm_compiles = dev.compile_count() - cold_compiles
+            warm_programs = hp.since(cold_programs)
             # a view geometry's gather compiles on its second use (the first is a host copy):
             # from the third call on it is the steady state (the median of three, as the CPU's)
             steady_s = statistics.median(
                 _generate(model, ids.to("spyre"), tokens)[1] for _ in range(3)
             )
+            mark, progs = dev.compile_count(), hp.count
+            _, inside_s = _generate(model, ids3.to("spyre"), tokens)
+            inside_compiles, inside_programs = dev.compile_count() - mark, hp.since(progs)
+            mark, progs = dev.compile_count(), hp.count
             _, other_s = _generate(model, ids2.to("spyre"), tokens)
-            other_compiles = dev.compile_count() - cold_compiles - warm_compiles
+            other_compiles, other_programs = dev.compile_count() - mark, hp.since(progs)
     return {
         "prompt": prompt,
         "new_tokens": tokens,
@@ -125,8 +166,16 @@ def _generate_costs(prompt: int, tokens: int) -> dict[str, Any]:
         "cold_over_cpu": cold_s / cpu_s,
         "compiles_cold": cold_compiles,
         "compiles_warm": warm_compiles,
+        "host_programs_cold": cold_programs,
+        "host_programs_warm": warm_programs,
+        "inside_prompt": int(ids3.shape[1]),
+        "inside_prompt_s": inside_s,
+        "compiles_inside_prompt": inside_compiles,
+        "host_programs_inside_prompt": inside_programs,
+        "other_prompt": int(ids2.shape[1]),
         "other_prompt_s": other_s,
         "compiles_other_prompt": other_compiles,
+        "host_programs_other_prompt": other_programs,
         "fallbacks": sum(dev.fallback_stats().values()),
         "tokens_equal": int((got == want).sum()),
         "runs_agree": bool(torch.equal(got, got2)),
@@ -219,8 +268,11 @@ def format_eager(res: dict[str, Any]) -> str:
         ),
         width=12,
     )
+    g = dict(res["generate"])
+    for k in ("inside", "other"):  # kernels / host programs compiled by that prompt
+        g[f"{k}_counts"] = f"{g.get(f'compiles_{k}_prompt')}/{g.get(f'host_programs_{k}_prompt')}"
     gen = format_table(
-        {"llama-tiny": res["generate"]},
+        {"llama-tiny": g},
         (
             ("cpu s", "generate_cpu_s", "{:.3f}"),
             ("cold s", "generate_cold_s", "{:.1f}"),
@@ -229,7 +281,10 @@ def format_eager(res: dict[str, Any]) -> str:
             ("steady s", "generate_steady_s", "{:.2f}"),
             ("steady/cpu", "steady_over_cpu", "{:.1f}"),
             ("compiles", "compiles_cold", "{}"),
-            ("2nd prompt", "compiles_other_prompt", "{}"),
+            ("inside s", "inside_prompt_s", "{:.2f}"),
+            ("inside k/p", "inside_counts", "{}"),
+            ("2nd prompt s", "other_prompt_s", "{:.2f}"),
+            ("2nd k/p", "other_counts", "{}"),
             ("fallbacks", "fallbacks", "{}"),
             ("tokens equal", "tokens_equal", "{}"),
         ),
@@ -256,7 +311,11 @@ COMPARED = (
     ("generate", "generate_steady_s"),
     ("generate", "generate_cpu_s"),
     ("generate", "steady_over_cpu"),
+    ("generate", "compiles_inside_prompt"),
+    ("generate", "host_programs_inside_prompt"),
+    ("generate", "inside_prompt_s"),
     ("generate", "compiles_other_prompt"),
+    ("generate", "host_programs_other_prompt"),
     ("generate", "other_prompt_s"),
     ("generate", "compiles_cold"),
     ("generate", "generate_cold_s"),

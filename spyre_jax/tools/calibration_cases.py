@@ -207,8 +207,10 @@ EXCLUDED: list[tuple[str, str, str]] = [
         "on-chip ring: a uniform shift of 4.06 / 8.13 / 16.25 MB; an all-to-all of 13.1 MB",
         "75.3 / 89.8 / 124.8 us; 362 us",
         "a stand-alone data-movement kernel no JAX or torch op lowers to; the model's ring is "
-        "the operand forwarding inside a kernel, whose fixed cost torch-spyre's fit puts below "
-        "noise (about 5 ns) and which the published matmuls (forwarding every step) bear out",
+        "the operand forwarding inside a kernel (ring_fixed_s: torch-spyre's fitted 5 ns a "
+        "step, not the notes' 58 us; ring_bytes_per_cycle on the busiest link, shifts and "
+        "all-to-all patterns alike), which the published matmuls (forwarding every step) "
+        "bear out",
     ),
     (
         "copy bandwidth by cores; a reduction's read bandwidth by cores (relative)",
