@@ -90,8 +90,6 @@ class StreamError(RuntimeError):
 
 Clock = tuple[tuple[int, int], ...]  # sorted (stream id, steps seen) pairs
 
-_UNKNOWN = object()  # PIPELINE_OF's answer for a kind it does not know
-
 
 def _merge(*clocks: Clock) -> Clock:
     first = clocks[0]
@@ -275,13 +273,10 @@ class Queues:
 
         ``checked``: the caller ran :meth:`check_reads` for these reads just before (a launch
         refuses a race before allocating), so the check is not repeated."""
-        pipe = PIPELINE_OF.get(kind, _UNKNOWN)
-        if pipe is _UNKNOWN:
+        if kind not in PIPELINE_OF:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
-            st = self.streams.get(stream)  # state(), inlined: every step comes here
-            if st is None or not st.alive:
-                st = self.state(stream)  # raises the StreamError
+            st = self.state(stream)
             tok = st.token
             if waits:
                 waits = tuple(waits)
@@ -292,10 +287,9 @@ class Queues:
                 start = max(tok.time, self.host_time)
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)
+            pipe = PIPELINE_OF[kind]
             if pipe is not None:
-                free = self.pipe_free[pipe]
-                if free > start:
-                    start = free
+                start = max(start, self.pipe_free[pipe])
             end = start + duration
             seq = tok.seq + 1
             rec = StepRecord(

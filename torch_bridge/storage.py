@@ -672,7 +672,7 @@ def _card_view(r: _Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffe
     pend = r.pending
     if pend is not None:
         if (
-            (pend.layout is layout or pend.layout == layout)
+            pend.layout == layout
             and t.storage_offset() == 0
             and pend.dtype == t.dtype
             and tuple(t.shape) == layout.shape

@@ -87,23 +87,20 @@ class _HostPrograms:
 
     def __init__(self) -> None:
         self.count = 0
-        self.on = False
 
     def __call__(self, event: str, duration: float, **_: Any) -> None:
-        if self.on and event == self.EVENT:
+        if event == self.EVENT:
             self.count += 1
 
     def __enter__(self) -> _HostPrograms:
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(self)
-        self.on = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import jax.monitoring
 
-        self.on = False
         jax.monitoring.unregister_event_duration_listener(self)
 
     def since(self, mark: int) -> int:
