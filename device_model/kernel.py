@@ -359,6 +359,13 @@ def _check_matmul(s: Stage, names: dict[str, TensorDecl]) -> None:
         )
     if s.reduce_axis < 0:
         raise ScheduleError("a matmul runs its K blocks in sequence: it needs a reduce_axis")
+    if st.nt_form not in ("", "rhs", "swap", "resident") or bool(st.nt_form) != st.rhs_t:
+        raise ScheduleError(
+            f"an NT product names the card's form of it (rhs, swap, resident), and only an "
+            f"NT product: rhs_t={st.rhs_t}, nt_form={st.nt_form!r}"
+        )
+    if st.relayout_bytes < 0 or (st.relayout_bytes and st.nt_form not in ("rhs", "swap")):
+        raise ScheduleError(f"restickify bytes {st.relayout_bytes} for form {st.nt_form!r}")
     if st.window is not None:
         _check_window(s, st.window)
 

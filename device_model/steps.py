@@ -93,7 +93,15 @@ class MatmulStep:
     over its whole space (one pass; the timing model's per-tile cost).
 
     ``window``: a convolution (:class:`ConvWindow`): the lhs block is a window of the input
-    and the PE reads its patches in place; ``k_logical`` is then taps x input channels."""
+    and the PE reads its patches in place; ``k_logical`` is then taps x input channels.
+
+    ``nt_form``: how the card meets an NT product (``rhs_t``), whose rhs is sticked on K where
+    the PE takes input 2 sticked on N (CARD.md, SuperDSC): ``"rhs"``, the rhs restickified;
+    ``"swap"``, the product computed as ``rhs @ lhs^T`` (the lhs restickified, the product
+    restickified back); ``"resident"``, a constant rhs laid out once when it is loaded.
+    ``relayout_bytes``: the bytes that form's restickify reads and writes on every call (the
+    timing model charges them at ``relayout_bw``; the simulation reads the rhs in place, the
+    same numbers)."""
 
     kind: ClassVar[str] = "matmul"
     unit: ClassVar[str] = "PE"
@@ -109,6 +117,8 @@ class MatmulStep:
     lhs_slot: int = 0
     prologue_sfu: int = 0
     window: ConvWindow | None = None
+    nt_form: str = ""
+    relayout_bytes: int = 0
 
     @property
     def prologue_inputs(self) -> int:
@@ -136,8 +146,11 @@ class MatmulStep:
         if self.prologue is not None:
             pro = f"lhs = prologue (lhs = in{self.lhs_slot}): {self.prologue}; "
         lhs = f"patches(lhs: {self.window})" if self.window is not None else "lhs"
+        nt = ""
+        if self.nt_form:
+            nt = f", restickify {self.nt_form}: {self.relayout_bytes} B"
         return (
-            f"{pro}acc += {lhs} @ {rhs} (fp32, K={self.k_logical}{nm}); "
+            f"{pro}acc += {lhs} @ {rhs} (fp32, K={self.k_logical}{nm}{nt}); "
             f"last: acc -> {self.out_dtype}" + ep
         )
 

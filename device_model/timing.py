@@ -25,7 +25,9 @@ turnaround on the alternating bytes that makes an even mix run at 104 (measured 
 :class:`~device_model.card.CardSpec` docstring); a stage that reduces along its rows reads at
 ``reduction_read_bw`` and pays ``reduction_fixed_s`` per reduction; a re-layout (a transpose
 moving the stick dim, a reshape across sticks) moves its bytes at the restickify rate,
-``relayout_bw``. A stage of one step streams its loads, compute and stores together
+``relayout_bw``, as does the restickify an NT product needs (``MatmulStep.nt_form``: the rhs,
+or the lhs and the product of the swapped form; in series before its steps). A stage of one
+step streams its loads, compute and stores together
 (``max(C_0, M(L_0, S_0))``). Stages run one after another, after the kernel's fixed
 ``kernel_fixed_s``.
 
@@ -268,7 +270,10 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
     memory_s = first + float(np.sum(mem_t))
     bw = moved / memory_s if memory_s else card.memory_bw_one_way  # the stage's average rate
     # each reduction's synchronization across a row's sticks (CardSpec.reduction_fixed_s)
-    prologue = (first + R[0] + nred * card.reduction_fixed_s) if T else 0.0
+    # an NT product's restickify (MatmulStep.nt_form), in series before the product's steps
+    restick = getattr(s.step, "relayout_bytes", 0) / card.relayout_bw
+    memory_s += restick
+    prologue = (restick + first + R[0] + nred * card.reduction_fixed_s) if T else 0.0
     ends = prologue + np.cumsum(span)
     total = float(ends[-1]) if T else prologue
     starts = [float(prologue)] + [float(x) for x in ends[:-1]]
@@ -295,6 +300,7 @@ def stage_cost(s: Stage, dtypes: dict[str, str], card: CardSpec) -> dict[str, An
         # stage's start), compute time, load/store bytes and ring time, and its busy cores
         "timeline": {
             "prologue_s": float(prologue),
+            "restick_s": float(restick),  # an NT product's restickify, before the loads
             "first_load_s": float(first),  # the first step's loads before any compute
             "starts_s": starts,
             "memory_s": np.broadcast_to(np.asarray(mem_t, float), (T,)).tolist(),
@@ -347,20 +353,22 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     writes = float(sum(sizes[t.name] for t in k.tensors if t.name in outs))
     min_bytes = reads + writes
     pe_s = sum(_pe_seconds(st, card) for st in k.stages)
-    # (the reads apart from the writes: no turnaround, which a schedule may avoid)
-    bound_s = fixed + max(card.memory_seconds(reads, writes, mixed=False), pe_s)
+    # (the reads apart from the writes: no turnaround, which a schedule may avoid); an NT
+    # product's restickify, in its cheaper form, is the card's to pay whatever the schedule
+    restick_s = [getattr(st.step, "relayout_bytes", 0) / card.relayout_bw for st in k.stages]
+    bound_s = fixed + sum(restick_s) + max(card.memory_seconds(reads, writes, mixed=False), pe_s)
     # each stage's own bound (the fused op it runs: its inputs read once, at the reduction rate
     # for a row reduction, with its reductions' fixed costs; its output written once; or its
     # flops at the PE roof); their sum is what a schedule of these stages, one after another,
     # could reach at best
-    for st, c in zip(k.stages, stages, strict=True):
+    for st, c, rs in zip(k.stages, stages, restick_s, strict=True):
         rd = float(sum(sizes[n] for n in {op.tensor for op in st.inputs}))
         if st.kind == "gather":
             rd += sizes[st.output.tensor]  # the table's rows it reads
         nred = _reductions(st)
         read_bw = min(card.memory_bw_one_way, card.reduction_read_bw) if nred else None
         mem = card.memory_seconds(rd, float(sizes[st.output.tensor]), read_bw, mixed=False)
-        c["bound_s"] = nred * card.reduction_fixed_s + max(mem, _pe_seconds(st, card))
+        c["bound_s"] = rs + nred * card.reduction_fixed_s + max(mem, _pe_seconds(st, card))
     stages_bound_s = fixed + sum(c["bound_s"] for c in stages)
     out = {
         "flops": float(sum(s["flops"] for s in stages)),

@@ -16,7 +16,8 @@ Two processes, each a set of tracks (threads):
   where a stage has ring time).
 
 The per-core spans follow the timing model's double-buffering formula (``device_model.timing``):
-a stage starts with the prologue (step 0's loads, ``first_load_s``, then its ring forwards);
+a stage starts with the prologue (an NT product's restickify, ``restick_s``, then step 0's
+loads, ``first_load_s``, then its ring forwards);
 step ``t``'s compute runs from ``starts_s[t]`` for ``compute_s[t]``, and at the same time the
 load/store units move step ``t+1``'s loads and step ``t``'s stores for ``memory_s[t]`` (the
 timing model's rates for that mix of reads and writes) and the ring forwards step ``t+1``'s
@@ -98,17 +99,28 @@ def _kernel_spans(rec: StepRecord) -> Iterator[_Span]:
             # a one-step stage streams its loads with its compute (no load before it)
             streamed = loads[0] if t == 0 and first == 0 else 0
             if t == 0:
-                if first > 0:
+                restick = tl.get("restick_s", 0.0)
+                if restick > 0:
                     yield _Span(
                         "load/store",
                         offset,
+                        restick,
+                        here,
+                        f"{name} restickify",
+                        {**a, "phase": "restickify"},
+                    )
+                if first > 0:
+                    yield _Span(
+                        "load/store",
+                        offset + restick,
                         first,
                         here,
                         f"{name} load",
                         {**a, "load_bytes": loads[0], "store_bytes": 0, "phase": "prologue"},
                     )
                 if ring[0] > 0:
-                    yield _Span("ring", offset + first, ring[0], here, f"{name} ring", dict(a))
+                    at = offset + restick + first
+                    yield _Span("ring", at, ring[0], here, f"{name} ring", dict(a))
             if unit in ("PE", "SFU") and comp[t] > 0:
                 yield _Span(unit, offset + starts[t], comp[t], here, name, dict(a))
             nl = loads[t + 1] if t + 1 < steps else 0

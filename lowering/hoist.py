@@ -9,9 +9,10 @@ are loaded (as PyTorch's own compilers fold constant work on frozen parameters).
 :func:`split_weight_layouts` does that for a graph whose weight inputs the caller names: the
 data movement that reads only weights and moves their stick dimension (a transpose that changes
 the last axis, with the reshapes, slices and converts around it) becomes a separate graph, the
-*prelude*, whose results the main graph takes as extra inputs. A transpose a matmul reads in
-place (``nt_matmul``: a ``Linear``'s ``W.T``) is not a re-layout and stays. Pure: a new pair of
-graphs, or None when nothing is worth hoisting.
+*prelude*, whose results the main graph takes as extra inputs. A ``Linear``'s ``W.T`` is one
+too: the card's PE takes a matmul's second operand sticked on the output columns, so the
+weight, sticked on K as stored, is restickified once here rather than on every call
+(``MatmulStep.nt_form``). Pure: a new pair of graphs, or None when nothing is worth hoisting.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 from device_model.layout import np_dtype
 
 from .graph import Graph, Node, Var
-from .matmul_passes import nt_matmul
 from .passes import dce
 
 __all__ = ["Split", "split_weight_layouts", "HOISTABLE", "host_computable", "run_on_host"]
@@ -56,7 +56,6 @@ def _moves_sticks(n: Node) -> bool:
 def split_weight_layouts(g: Graph, weights: Collection[int]) -> Split | None:
     """``g`` with the re-layouts of the inputs at indices ``weights`` moved to a prelude graph
     (see the module's doc), or None when there are none."""
-    g = nt_matmul(g)
     static: set[int] = {g.inputs[i].id for i in weights}
     if not static:
         return None

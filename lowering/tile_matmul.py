@@ -19,7 +19,7 @@ import numpy as np
 
 from device_model.card import CardSpec
 from device_model.kernel import Operand, Stage
-from device_model.layout import TensorLayout, np_dtype
+from device_model.layout import DTYPES, TensorLayout, np_dtype
 from device_model.ops import (
     MapBody,
 )
@@ -415,6 +415,41 @@ def prologue_blocks(ctx: tiling.TilingContext, n: Node, tm: int, tk: int | None)
     return FusedMap(ctx, body, slot, extras, bl, "p", (0, 1, 3))
 
 
+def _resident(ctx: tiling.TilingContext, name: str) -> bool:
+    """``name`` is a constant of the kernel, or a view of one (laid out once, when loaded)."""
+    base = dict(ctx.aliases)
+    while ctx.decls[name].role == "view" and name in base:
+        name = base[name]
+    return ctx.decls[name].role == "const"
+
+
+def nt_form(ctx: tiling.TilingContext, n: Node, rhs: str, out_dtype: str) -> tuple[str, int]:
+    """The card's form of an NT product ``[B, M, K] x [B, N, K]`` (both operands sticked on
+    K; the PE takes input 2 sticked on N) and the bytes its restickify reads and writes per
+    call (``relayout_bw``): a constant rhs is laid out once (``"resident"``, 0); else the
+    cheaper of the rhs restickified (``"rhs"``: ``N x K`` read and written) and the product
+    swapped (``"swap"``: ``rhs @ lhs^T``, the lhs restickified to ``[K, M]`` and the ``[N, M]``
+    product back to ``[M, N]``; a decode step's few rows make it the cheap one)."""
+    if _resident(ctx, rhs):
+        return "resident", 0
+    (B, M, K), N = n.inputs[0].shape, n.out.shape[2]
+    a, b = (DTYPES[v.dtype] for v in n.inputs[:2])
+    o = DTYPES[out_dtype]
+    sb = ctx.card.stick_bytes
+
+    def moved(rows: int, cols: int, size: int) -> int:
+        # a [rows, cols] matrix read as stored (sticks along cols) and written sticked on rows
+        return B * (rows * _pad(cols, sb // size) + cols * _pad(rows, sb // size)) * size
+
+    forms = {"rhs": moved(N, K, b), "swap": moved(M, K, a) + moved(N, M, o)}
+    form = min(forms, key=lambda f: (forms[f], f))
+    return form, forms[form]
+
+
+def _pad(x: int, per_stick: int) -> int:
+    return -(-x // per_stick) * per_stick
+
+
 def matmul_stage(
     ctx: tiling.TilingContext,
     n: Node,
@@ -467,10 +502,13 @@ def matmul_stage(
         pro_sfu, pro_flops = tiling.map_work(pro.body, ctx.card)
         sfu += pro_sfu * grid[2]
         flops += pro_flops
+    form, moved = nt_form(ctx, n, rhs.tensor, lo.dtype) if rhs_t else ("", 0)
     step = MatmulStep(
         k_logical=K,
         out_dtype=n.params.dtype,
         rhs_t=rhs_t,
+        nt_form=form,
+        relayout_bytes=moved,
         n_logical=n_mask,
         epilogue=ep.body,
         acc_slot=ep.slot,

@@ -1,6 +1,9 @@
 """NT matmuls: an rhs given transposed (``x @ w.T``, a torch Linear's ``[out, in]`` weight) is
 read in place (``matmul[rhs_t=True]``: blocks ``(1, tn, tk)`` of ``[B, N, K]``) instead of
-being re-laid out by a transpose stage on every call.
+being re-laid out by a transpose stage on every call. The card's PE takes the rhs sticked on N,
+so the timing model charges the restickify of the cheaper form the schedule names
+(``MatmulStep.nt_form``): the rhs, or the swapped product; nothing for a constant rhs, laid out
+once (a torch model's weights: their layouts, ``lowering.hoist``).
 
 Each jax case runs on the vectorized card and the NumPy reference interpreter (whole device
 buffers, stick padding included, and no NaN in them: the last N block of a ragged N reads rows
@@ -134,8 +137,49 @@ def test_torch_linear(shape, k, n, dt, bias):
         got, want = f(x), m(x)
     ck = torch_bridge.backend.compiled_kernels()[-1]
     kinds = [s.kind for s in ck.kernel.stages]
-    assert len(_nt_stages(ck.kernel)) == 1
-    # no re-layout, and the bias add rides the matmul's store (its epilogue)
+    # the weight, sticked on K as stored, is restickified once with the weights' layouts (the
+    # card's PE takes the rhs sticked on N): every call runs an NN product, no re-layout, and
+    # the bias add rides the matmul's store (its epilogue)
+    assert ck.weight_layouts is not None and not _nt_stages(ck.kernel)
     assert kinds == ["matmul"], kinds
     assert (ck.kernel.stages[0].step.epilogue is not None) == bias
     assert_close(got, want)
+
+
+def _nt_kernel(f: Any, *xs: Any) -> Any:
+    import spyre_jax
+
+    return spyre_jax.jit(f).lower(*xs).compile()
+
+
+def test_the_schedule_names_the_cheaper_form_and_the_model_charges_it():
+    # a decode step's row: the swapped product restickifies the row and the product (a stick a
+    # row each: 2048 + 2048 rows), far less than the 2048 x 2048 weight; a 512-row prefill: the
+    # swap still (512 x (2048 + 2048) < 2048 x 2048 elements, read and written); 4096 rows: the rhs
+    card = spyre_jax_card()
+    w = jnp.ones((2048, 2048), jnp.float16)
+    for rows, form in ((1, "swap"), (512, "swap"), (4096, "rhs")):
+        x = jnp.ones((rows, 2048), jnp.float16)
+        c = _nt_kernel(lambda x, w: x @ w.T, x, w)
+        (st,) = _nt_stages(c.kernel)
+        assert st.step.nt_form == form, rows
+        if form == "rhs":
+            assert st.step.relayout_bytes == 2 * 2048 * 2048 * 2
+        elif rows == 1:  # [1, K] -> [K, 1]: one stick per row; the product [N, 1] -> [1, N]
+            assert st.step.relayout_bytes == 4096 + 2048 * 128 + 2048 * 128 + 4096
+        nn = _nt_kernel(lambda x, w: x @ w, x, w)  # the same product with w as stored: NN
+        extra = c.cost_analysis()["sim_time_us"] - nn.cost_analysis()["sim_time_us"]
+        assert extra == pytest.approx(st.step.relayout_bytes / card.relayout_bw * 1e6, rel=0.02)
+        assert c.parameter_shares()["relayout_bw"] > 0 == nn.parameter_shares()["relayout_bw"]
+    # a constant weight is laid out once, when loaded: charged nothing per call
+    x = jnp.ones((512, 2048), jnp.float16)
+    c = _nt_kernel(lambda x: x @ w.T, x)
+    (st,) = _nt_stages(c.kernel)
+    assert st.step.nt_form == "resident" and st.step.relayout_bytes == 0
+    assert "restickify resident" in str(st.step)
+
+
+def spyre_jax_card() -> Any:
+    from device_model.runtime import runtime
+
+    return runtime().card

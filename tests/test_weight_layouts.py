@@ -52,13 +52,18 @@ def test_the_split_moves_only_weight_relayouts():
     assert s is not None
     check_graph(s.prelude)
     check_graph(s.main)
-    assert [n.op for n in s.prelude.nodes] == ["transpose", "reshape", "reshape"]
-    assert s.prelude_args == (1,)  # only w: the Linear-like v.T is read in place by its matmul
-    assert s.main_args == (0, 2)
+    # w's re-layout, and the Linear-like v.T: the card's PE takes the rhs sticked on N, so a
+    # weight sticked on K is restickified once, not on every call (MatmulStep.nt_form)
+    ops = [n.op for n in s.prelude.nodes]
+    assert ops == ["transpose", "reshape", "reshape", "transpose", "reshape"]
+    assert s.prelude_args == (1, 2)
+    assert s.main_args == (0,)
     assert "transpose" not in [n.op for n in s.main.nodes]
-    # not a weight: nothing moves; a transpose that keeps the sticks: nothing worth it
+    # not a weight: nothing moves; a transpose that keeps the sticks: only v.T moves
     assert split_weight_layouts(g, [0]) is None
-    assert split_weight_layouts(_graph((1, 0, 2)), [1, 2]) is None
+    keep = split_weight_layouts(_graph((1, 0, 2)), [1, 2])
+    assert keep is not None and [n.op for n in keep.prelude.nodes] == ["transpose", "reshape"]
+    assert keep.prelude_args == (2,)
 
 
 def _captured(model: nn.Module, x: torch.Tensor) -> tuple:
@@ -106,7 +111,7 @@ def test_a_cnn_lays_its_weights_out_once_and_again_after_they_change():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_split_kernel_is_faster_and_bit_equal_to_the_unsplit_one(dtype):
+def test_the_split_kernel_is_faster_and_equal_to_the_unsplit_one(dtype):
     m = _cnn().to(dtype)
     x = torch.randn(1, 3, 16, 16).to(dtype)
     gm, weights, ins = _captured(m, x)
@@ -114,8 +119,12 @@ def test_the_split_kernel_is_faster_and_bit_equal_to_the_unsplit_one(dtype):
     whole, split = tb._CardGraph(gm), tb._CardGraph(gm, weights)
     with torch.no_grad():
         a, b = whole(*ins), split(*ins)
+    # the convolutions' laid-out kernels give the same bytes; the Linear's W.T, laid out once,
+    # is an NN product where the unsplit graph's is NT (the rhs read transposed): the fp32
+    # sums run in another order, so the last bits may differ, one rounding of the dtype
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     for p, q in zip(a, b, strict=True):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol)
     t_whole = whole.cost_analysis()["sim_time_us"]
     t_split = split.cost_analysis()["sim_time_us"]
     assert t_split < t_whole
@@ -129,8 +138,8 @@ def test_a_card_that_rounds_stores_to_dl16_lays_weights_out_on_the_card(small_ca
     whole, split = tb._CardGraph(gm), tb._CardGraph(gm, weights)
     with torch.no_grad():
         a, b = whole(*ins), split(*ins)
-    for p, q in zip(a, b, strict=True):
-        assert torch.equal(p, q)
+    for p, q in zip(a, b, strict=True):  # the Linear's sums in another order (above)
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-3)
     assert split.weight_layouts.card_runs == 1
 
 

@@ -445,7 +445,8 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
 
 #: ops that read an operand given transposed (``x @ w.t()``, a Linear's weight) in place: the
 #: kernel takes the operand's own bytes and a transpose the lowering folds into the matmul
-#: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call
+#: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call; the timing
+#: model charges the card's restickify of that product's cheaper form (``MatmulStep.nt_form``)
 _NT_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
 
 

@@ -19,7 +19,11 @@ the logits. Collectives run on the card-to-card link (:attr:`CardSpec.link_bw`,
 
 Decode (one new token per sequence) is modelled with the KV cache already holding the context
 (``decode_context`` positions, the new one included); the step's new keys and values are its
-outputs (a store of one position). Prefill computes the logits of the last position only (what
+outputs (a store of one position). The cache keeps the keys sticked on positions
+(``[.., head_dim, positions]``): the card's PE takes a product's second operand sticked on its
+output columns, so q @ K^T reads such a cache as it is, where keys sticked on head_dim would be
+restickified on every step (``MatmulStep.nt_form``). Prefill computes the logits of the last
+position only (what
 greedy decoding needs).
 """
 
@@ -226,14 +230,23 @@ def _rope(t: jax.Array, start: int) -> jax.Array:
     return jnp.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, kt: bool = False
+) -> jax.Array:
     """Grouped-query attention without copying the keys per head: ``q`` [B, kv, rep, S, hd],
-    ``k``/``v`` [B, kv, T, hd] -> [B, kv, rep, S, hd]."""
+    ``k``/``v`` [B, kv, T, hd] -> [B, kv, rep, S, hd]. ``kt``: ``k`` is [B, kv, hd, T] (a
+    cache that keeps the keys sticked on positions: the scores are then an NN product, which
+    the card's PE takes as is; keys sticked on hd need a restickify on every step)."""
     b, kv, rep, s, hd = q.shape
-    t = k.shape[2]
+    t = k.shape[3] if kt else k.shape[2]
     qg = q.reshape(b * kv, rep * s, hd)
-    kg, vg = k.reshape(b * kv, t, hd), v.reshape(b * kv, t, hd)
-    sc = jnp.einsum("gqd,gkd->gqk", qg, kg, preferred_element_type=jnp.float32)
+    vg = v.reshape(b * kv, t, hd)
+    if kt:
+        kg = k.reshape(b * kv, hd, t)
+        sc = jnp.einsum("gqd,gdk->gqk", qg, kg, preferred_element_type=jnp.float32)
+    else:
+        kg = k.reshape(b * kv, t, hd)
+        sc = jnp.einsum("gqd,gkd->gqk", qg, kg, preferred_element_type=jnp.float32)
     sc = sc * (hd**-0.5)
     if causal:
         mask = jnp.tile(jnp.tril(jnp.ones((s, t), bool), k=t - s), (rep, 1))
@@ -268,7 +281,7 @@ def _layer(m: ModelShape, tp: int, cache_len: int) -> Callable[..., Any]:
             start = cache_len - 1 if cache_len else 0
             q, k = _rope(q, start), _rope(k, start)
         if cache_len:
-            a = _attention(q, cache[0], cache[1], causal=False)
+            a = _attention(q, cache[0], cache[1], causal=False, kt=True)
         else:
             a = _attention(q, k, v, causal=True)
         a = a.transpose(0, 3, 1, 2, 4).reshape(b * s, heads * hd)
@@ -424,7 +437,8 @@ def estimate(
     head_p = {"lnf": sds((w,), dt), "lm": sds((vshard, w), dt)}
     if m.family == "gpt2":
         head_p["lnf_b"] = sds((w,), dt)
-    cache = (sds((batch, kvh, decode_context, hd), dt),) * 2
+    # the key cache sticked on positions ([.., hd, T]), the values as they come ([.., T, hd])
+    cache = (sds((batch, kvh, hd, decode_context), dt), sds((batch, kvh, decode_context, hd), dt))
     parts: dict[str, dict[str, Any]] = {}
     for phase, s, extra in (("prefill", prefill, ()), ("decode", 1, cache)):
         x = sds((batch, s, w), dt)
