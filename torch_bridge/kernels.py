@@ -171,8 +171,22 @@ class WeightLayouts:
         for b in self.bufs:
             b.delete()
         self.bufs, self.key, self.runs = outs, key, self.runs + 1
-        self.refs = tuple(weakref.ref(w) for w in ws)
+        me = weakref.ref(self)
+
+        def gone(_r: weakref.ref, me: weakref.ref = me) -> None:
+            s = me()
+            if s is not None:
+                s.release()
+
+        self.refs = tuple(weakref.ref(w, gone) for w in ws)
         return outs
+
+    def release(self) -> None:
+        """Free the laid-out copies: a weight they were made from is gone (the compiled graph
+        may outlive its model in torch's caches; a later call lays its weights out again)."""
+        bufs, self.bufs, self.key = self.bufs, (), ()
+        for b in bufs:
+            b.delete()
 
     def _on_host(self, ws: Sequence[Any], rt: Any) -> tuple[DeviceBuffer, ...]:
         """CPU weights: re-laid out by NumPy as they are copied in (no card time, and no padded

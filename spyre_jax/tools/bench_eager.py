@@ -244,13 +244,22 @@ def _decoding_costs(prompt: int, tokens: int, rounds: int = 5) -> dict[str, dict
     return res
 
 
-def bench_eager(*, reps: int = 5, prompt: int = 8, tokens: int = 24) -> dict[str, Any]:
-    """The small op's host cost, ``generate()`` on the device and its decoding strategies,
-    beside eager CPU."""
+#: set to 0 by :func:`bench_against` in the runs it starts: the decoding strategies are no
+#: figure it compares (a tree that does not know the variable runs them anyway)
+DECODING_ENV = "SPYRE_BENCH_EAGER_DECODING"
+
+
+def bench_eager(
+    *, reps: int = 5, prompt: int = 8, tokens: int = 24, decoding: bool | None = None
+) -> dict[str, Any]:
+    """The small op's host cost, ``generate()`` on the device and its decoding strategies
+    (``decoding``; None: unless ``SPYRE_BENCH_EAGER_DECODING=0``), beside eager CPU."""
+    if decoding is None:
+        decoding = os.environ.get(DECODING_ENV, "1") != "0"
     return {
         "op": _op_costs(reps),
         "generate": _generate_costs(prompt, tokens),
-        "decoding": _decoding_costs(prompt, tokens, rounds=max(reps, 1)),
+        "decoding": _decoding_costs(prompt, tokens, rounds=max(reps, 1)) if decoding else {},
     }
 
 
@@ -299,7 +308,7 @@ def format_eager(res: dict[str, Any]) -> str:
         ),
         width=12,
     )
-    return op + "\n\n" + gen + "\n\n" + dec
+    return op + "\n\n" + gen + ("\n\n" + dec if res["decoding"] else "")
 
 
 #: the figures :func:`bench_against` compares: (section, key)
@@ -321,7 +330,7 @@ COMPARED = (
 
 def _run_tree(root: str, args: list[str]) -> dict[str, Any]:
     """``spyre-jax bench eager --json`` of the tree at ``root``, in a process of its own."""
-    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", DECODING_ENV: "0"}
     cmd = [sys.executable, "-m", "spyre_jax", "bench", "eager", "--json", *args]
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
