@@ -390,3 +390,25 @@ def test_empty_and_out_of_range():
     recs, _ = _records()
     with pytest.raises(ValueError, match="core 10"):
         chrome_trace(recs, num_cores=8)
+
+
+def test_an_nt_products_restickify_is_drawn_before_its_loads(tmp_path):
+    # x @ w.T with w an argument: the card restickifies (MatmulStep.nt_form); the trace draws it
+    # on the cores' load/store tracks first, then the first load, with no overlap
+    x, w = np.ones((8, 64), np.float16), np.ones((96, 64), np.float16)
+    h = spyre_jax.jit(lambda x, w: x @ w.T)
+    h(x, w)
+    path = tmp_path / "nt.json"
+    with spyre_jax.profile(path, print_summary=False):
+        np.asarray(h(x, w))
+    with open(path, encoding="utf-8") as fh:
+        trace = json.load(fh)
+    names = _thread_names(trace)
+    tracks = {names[(e["pid"], e["tid"])] for e in trace["traceEvents"] if e["ph"] == "X"}
+    drawn = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].endswith("restickify")]
+    assert drawn and all(e["args"]["phase"] == "restickify" for e in drawn)
+    for track in tracks:
+        _assert_no_overlap(_spans_on(trace, track), track)
+    for e in drawn:
+        later = [s for s in _spans_on(trace, names[(e["pid"], e["tid"])]) if s is not e]
+        assert all(s["ts"] >= e["ts"] + e["dur"] - EPS_US for s in later if s["ts"] >= e["ts"])
