@@ -355,7 +355,7 @@ def kernel_cost(k: Kernel, card: CardSpec) -> dict[str, Any]:
     pe_s = sum(_pe_seconds(st, card) for st in k.stages)
     # (the reads apart from the writes: no turnaround, which a schedule may avoid); an NT
     # product's restickify, in its cheaper form, is the card's to pay whatever the schedule
-    restick_s = [getattr(st.step, "relayout_bytes", 0) / card.relayout_bw for st in k.stages]
+    restick_s = [c["timeline"]["restick_s"] for c in stages]
     bound_s = fixed + sum(restick_s) + max(card.memory_seconds(reads, writes, mixed=False), pe_s)
     # each stage's own bound (the fused op it runs: its inputs read once, at the reduction rate
     # for a row reduction, with its reductions' fixed costs; its output written once; or its

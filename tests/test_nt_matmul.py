@@ -21,7 +21,9 @@ import pytest
 import torch
 from test_reference import _arr, _check
 
+import spyre_jax
 import torch_bridge
+from device_model.runtime import runtime
 from lowering.graph import Graph, Node, Var, check_graph
 from lowering.matmul_passes import nt_matmul
 from lowering.op_params import Matmul, Reshape, Transpose
@@ -147,8 +149,6 @@ def test_torch_linear(shape, k, n, dt, bias):
 
 
 def _nt_kernel(f: Any, *xs: Any) -> Any:
-    import spyre_jax
-
     return spyre_jax.jit(f).lower(*xs).compile()
 
 
@@ -156,7 +156,7 @@ def test_the_schedule_names_the_cheaper_form_and_the_model_charges_it():
     # a decode step's row: the swapped product restickifies the row and the product (a stick a
     # row each: 2048 + 2048 rows), far less than the 2048 x 2048 weight; a 512-row prefill: the
     # swap still (512 x (2048 + 2048) < 2048 x 2048 elements, read and written); 4096 rows: the rhs
-    card = spyre_jax_card()
+    card = runtime().card
     w = jnp.ones((2048, 2048), jnp.float16)
     for rows, form in ((1, "swap"), (512, "swap"), (4096, "rhs")):
         x = jnp.ones((rows, 2048), jnp.float16)
@@ -177,9 +177,3 @@ def test_the_schedule_names_the_cheaper_form_and_the_model_charges_it():
     (st,) = _nt_stages(c.kernel)
     assert st.step.nt_form == "resident" and st.step.relayout_bytes == 0
     assert "restickify resident" in str(st.step)
-
-
-def spyre_jax_card() -> Any:
-    from device_model.runtime import runtime
-
-    return runtime().card

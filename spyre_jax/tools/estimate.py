@@ -23,8 +23,7 @@ outputs (a store of one position). The cache keeps the keys sticked on positions
 (``[.., head_dim, positions]``): the card's PE takes a product's second operand sticked on its
 output columns, so q @ K^T reads such a cache as it is, where keys sticked on head_dim would be
 restickified on every step (``MatmulStep.nt_form``). Prefill computes the logits of the last
-position only (what
-greedy decoding needs).
+position only (what greedy decoding needs).
 """
 
 from __future__ import annotations
