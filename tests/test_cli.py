@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -199,12 +200,7 @@ def test_bench_serve_dynamic_cache_json(capsys):
     assert r["compiles_other_prompt"] <= 2 and r["sim_decode_us_per_token"] > 0
 
 
-@pytest.mark.slow
-def test_bench_eager_json(capsys):
-    # the small op's host cost and generate() on the device (dynamic cache), beside eager CPU
-    argv = ["bench", "eager", "--seq", "4", "--tokens", "3", "--reps", "1", "--json"]
-    assert cli.main(argv) == 0
-    r = json.loads(capsys.readouterr().out)
+def _check_eager_json(r: dict) -> None:
     assert r["op"]["add_host_us"] > 0 and r["op"]["add_cpu_us"] > 0
     g = r["generate"]
     assert g["tokens_equal"] == 3 and g["fallbacks"] == 0 and g["runs_agree"]
@@ -223,14 +219,32 @@ def test_bench_eager_json(capsys):
 
 
 @pytest.mark.slow
-def test_bench_eager_against_a_revision():
-    # this tree beside a git revision of it (here the same commit), each in a process of its
-    # own; every figure a median with its ratio
-    r = bench_eager.bench_against("HEAD", runs=1, reps=1, prompt=4, tokens=2)
+def test_bench_eager_json_and_against_a_revision(monkeypatch, capsys):
+    # `bench eager --json` (the small op's host cost, generate() on the device with the dynamic
+    # cache, the decoding strategies, beside eager CPU), run in this process as this tree's side
+    # of `--against`; the revision's side (here the same commit, checked out in a worktree) runs
+    # in a process of its own as both sides do outside this test. One run of each: the bench
+    # compiles every kernel of the model cold in each process (about 25 s on CI).
+    here = str(Path(bench_eager.__file__).resolve().parents[2])
+    ran = {"subprocess": 0}
+    spawn = bench_eager._run_tree
+
+    def run_tree(root: str, args: list[str]) -> dict:
+        if root != here:
+            ran["subprocess"] += 1
+            return spawn(root, args)
+        assert cli.main(["bench", "eager", "--json", *args]) == 0
+        r = json.loads(capsys.readouterr().out)
+        _check_eager_json(r)
+        return r
+
+    monkeypatch.setattr(bench_eager, "_run_tree", run_tree)
+    r = bench_eager.bench_against("HEAD", runs=1, reps=1, prompt=4, tokens=3)
+    assert ran["subprocess"] == 1
     f = r["figures"]
     assert set(f) == {key for _, key in bench_eager.COMPARED}
     assert f["add_host_us"]["before"] > 0 and f["add_host_us"]["now"] > 0
-    assert f["compiles_other_prompt"]["now"] == 0  # 4 and 9 tokens: one stick of int32 each
+    assert f["compiles_other_prompt"]["before"] == 0  # 4 and 9 tokens: one stick of int32 each
     assert "now/before" in bench_eager.format_against(r)
 
 

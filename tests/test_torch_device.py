@@ -65,13 +65,9 @@ def test_entry_point_and_import_torch_alone():
 
 @pytest.mark.parametrize(
     "first",
-    [
-        "lowering.from_fx",
-        "lowering.fx_tensor",
-        "torch_bridge",
-        "torch_bridge.storage",
-        "torch_bridge.strides",
-    ],
+    # the importer itself and a leaf module of the plugin (each a fresh process, about 5 s on
+    # CI: the other modules between them import the same way)
+    ["lowering.from_fx", "torch_bridge.strides"],
 )
 @pytest.mark.slow
 def test_device_loads_when_our_fx_importer_imports_torch_first(first):
