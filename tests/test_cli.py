@@ -174,22 +174,6 @@ def test_bench_models_json(capsys):
 
 
 @pytest.mark.slow
-def test_bench_serve_json(capsys):
-    # greedy decoding with the static KV cache: one prefill kernel, one decode kernel reused for
-    # every step, no CPU fallback (the cache update is an index_put), eager's tokens
-    argv = ["bench", "serve", "--models", "llama-tiny", "--layers", "1", "--seq", "8"]
-    assert cli.main([*argv, "--tokens", "4", "--json"]) == 0
-    r = json.loads(capsys.readouterr().out)["llama-tiny"]
-    assert r["kernels"] == 2 and r["fallbacks"] == 0 and r["runs_agree"]
-    assert r["tokens_equal"] == 4
-    assert 0 < r["sim_decode_us_per_token"] < r["sim_prefill_us"]
-    assert r["card_tokens_per_s"] > 0 and r["sim_wall_s_per_token"] > 0
-    assert r["compiles_other_prompt"] <= 2
-    with pytest.raises(ValueError, match="llama-tiny"):
-        cli.main(["bench", "serve", "--models", "nope"])
-
-
-@pytest.mark.slow
 def test_bench_serve_dynamic_cache_json(capsys):
     # the default (dynamic) cache: decode kernels per bucket of the KV length; a prompt of
     # another length compiles at most its prefill and one bucket
