@@ -618,3 +618,21 @@ def test_a_region_compiled_once_is_one_kernel_with_every_call_inlined(monkeypatc
     assert_close(got, want)
     assert sum(calls) == 3  # the region, imported at each of its three calls
     assert tb.fallback_stats() == before
+
+
+def test_the_core_decomposition_table_is_made_once_and_again_when_ops_are_registered():
+    # torch builds core_aten_decompositions() anew on every call (about 70 ms on first use: a
+    # tenth of a small graph's compile); the bridge keeps one, made again once ops were added
+    from torch._decomp import core_aten_decompositions
+
+    from torch_bridge.graph_passes import core_decompositions
+
+    table = core_decompositions()
+    assert core_decompositions() is table
+    assert set(table) == set(core_aten_decompositions())
+    lib = torch.library.Library("spyre_test_decomp", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+    fresh = core_decompositions()
+    assert fresh is not table and core_decompositions() is fresh
+    assert set(fresh) == set(core_aten_decompositions())

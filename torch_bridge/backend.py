@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
@@ -42,6 +41,7 @@ from lowering.hoist import split_weight_layouts
 from . import rng, training
 from .dynamic import DynamicGraph, is_dynamic
 from .errors import InferenceOnlyError, SpyreFallbackWarning
+from .graph_passes import core_decompositions
 from .kernels import WeightLayouts, load, run_graph
 from .storage import from_host, to_host
 
@@ -132,7 +132,7 @@ def spyre_backend(
         bw_compiler=training.SplitOutputs.compiler(
             functools.partial(_compile_backward, strict=strict)
         ),
-        decompositions=core_aten_decompositions(),
+        decompositions=core_decompositions(),
     )
 
 

@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lowering.errors import LoweringError, TilingError, UnsupportedPrimitiveError
 
-from .graph_passes import copy_sources, fold_constants
+from .graph_passes import copy_sources, core_decompositions, fold_constants
 from .padded import NotBucketable, PaddedPlan
 
 _log = logging.getLogger(__name__)
@@ -146,7 +145,7 @@ class DynamicGraph:
         with torch.no_grad():
             static = make_fx(
                 self.gm,
-                decomposition_table=core_aten_decompositions(),
+                decomposition_table=core_decompositions(),
                 tracing_mode="fake",
                 _allow_non_fake_inputs=True,
             )(*fakes)

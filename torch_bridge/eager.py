@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._decomp import decomposition_table
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -56,6 +56,7 @@ from .card_cat import reset_stats as reset_card_cats
 from .card_cat import stats as card_cat_stats
 from .card_cat import try_card_cat
 from .errors import SpyreFallbackWarning
+from .graph_passes import core_decompositions
 from .host_ops import run_on_host
 from .kernels import load
 from .registration import eligible, is_tensor_type
@@ -557,7 +558,7 @@ def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphM
         a, k = tree_unflatten(vals, spec)
         return op(*a, **k)
 
-    table = {**core_aten_decompositions(), **DECOMPOSITIONS}
+    table = {**core_decompositions(), **DECOMPOSITIONS}
     return make_fx(f, decomposition_table=table, tracing_mode="real")(*[orig[i] for i in idx])
 
 

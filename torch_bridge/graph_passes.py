@@ -1,5 +1,5 @@
 """Passes over the static FX graphs the dynamic paths trace again: constants folded, the user's
-source lines given back."""
+source lines given back; the core ATen decomposition table every trace of the bridge uses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,25 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["fold_constants", "copy_sources", "FOLD_MAX_ELEMENTS"]
+__all__ = ["fold_constants", "copy_sources", "core_decompositions", "FOLD_MAX_ELEMENTS"]
+
+#: the table :func:`core_decompositions` made, and the number of CompositeImplicitAutograd
+#: registrations it was made with
+_CORE: list[Any] = [None, -1]
+
+
+def core_decompositions() -> dict[Any, Any]:
+    """``torch._decomp.core_aten_decompositions()`` as a plain dict, made once. PyTorch builds
+    the table again on every call and fills it on first use with every CompositeImplicitAutograd
+    op registered (about 70 ms: a tenth of a small graph's compile); the table here is made
+    again only when that set of registrations grows (a library registered ops since). Shared:
+    callers copy it before changing it."""
+    n = len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+    if _CORE[1] != n:
+        from torch._decomp import core_aten_decompositions
+
+        _CORE[:] = [dict(core_aten_decompositions()), n]
+    return _CORE[0]
 
 
 #: a computation on sizes alone folds to a constant when its result has at most this many elements

@@ -42,12 +42,11 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .buckets import bucket
-from .graph_passes import copy_sources, fold_constants
+from .graph_passes import copy_sources, core_decompositions, fold_constants
 from .pad_rules import PadKind, PadRule, fill_value, rule_of
 
 __all__ = ["NotBucketable", "PaddedPlan"]
@@ -237,7 +236,7 @@ class _BucketKernel:
         with torch.no_grad():
             static = make_fx(
                 traced,
-                decomposition_table=core_aten_decompositions(),
+                decomposition_table=core_decompositions(),
                 tracing_mode="fake",
                 _allow_non_fake_inputs=True,
             )(*fakes, lens_fake)

@@ -40,12 +40,13 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import conv_grad
+from .graph_passes import core_decompositions
 
 __all__ = [
     "needs_autograd",
@@ -80,7 +81,7 @@ _BACKWARD_DECOMPOSITIONS = (aten.max_pool2d_with_indices_backward.default,)
 def training_decompositions() -> dict[Any, Callable]:
     """The core ATen decompositions and those of :data:`_BACKWARD_DECOMPOSITIONS`, less those
     that are right for inference only."""
-    table = dict(core_aten_decompositions())
+    table = dict(core_decompositions())
     table.update(get_decompositions(list(_BACKWARD_DECOMPOSITIONS)))
     table.update(conv_grad.DECOMPOSITIONS)
     for op in _INFERENCE_ONLY_DECOMPOSITIONS:
