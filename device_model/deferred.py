@@ -123,13 +123,13 @@ def card_array(x: Any) -> Any:
 class Trace:
     """One card's kernel runs recorded and not yet run, in launch order: ``(program,
     arguments, results)``, an argument a card or host array, a :class:`Deferred` result of an
-    earlier run, or a tuple of them (a view's source and sizes); the results held weakly."""
+    earlier run, or a tuple of them (a view's source and sizes)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         #: the runs recorded since the trace last ran
         self.batch = Batch(self)
-        self._runs: list[tuple[Callable[..., Any], Sequence[Any], list[weakref.ref]]] = []
+        self._runs: list[tuple[Callable[..., Any], Sequence[Any], list[Deferred]]] = []
         #: programs that have run on their own (their launches may be deferred)
         self._ran: weakref.WeakSet = weakref.WeakSet()
         #: runs recorded, and times the trace ran (``device_model.runtime`` statistics)
@@ -142,21 +142,27 @@ class Trace:
         """``program(*args)``'s first ``nout`` results (a jitted program returning a list of
         them, or one array): deferred once the program has run on its own, else run now."""
         if program in self._ran:
-            with self.lock:
-                outs = [Deferred(self) for _ in range(nout)]
-                self._runs.append((program, args, [weakref.ref(d) for d in outs]))
-                self.counts["runs"] += 1
-                if len(self._runs) >= MAX_RUNS:
-                    self.flush()
-            return outs
+            return self.record(program, args, nout)
         res = _results(program(*[card_array(a) for a in args]), nout)
         self._ran.add(program)
         return res
 
+    def record(self, program: Callable[..., Any], args: Sequence[Any], nout: int) -> list[Any]:
+        """:meth:`call` of a program known to have run on its own here: recorded, its
+        ``nout`` results :class:`Deferred` (the trace runs when it holds :data:`MAX_RUNS`)."""
+        outs = [Deferred(self) for _ in range(nout)]
+        with self.lock:
+            self._runs.append((program, args, outs))
+            self.counts["runs"] += 1
+            if len(self._runs) >= MAX_RUNS:
+                self.flush()
+        return outs
+
     def flush(self) -> None:
-        """Run every recorded run, in order; each result gets its value (or the error). A
-        result nobody holds any more is dropped when its run ends (and each run's arguments
-        when it starts), so the trace never holds more than the eager ops would have."""
+        """Run every recorded run, in order; each result gets its value (or the error). Each
+        run's arguments and results are let go of as it runs, so a result nobody holds any
+        more is dropped when the next run starts: the trace never holds more than the eager
+        ops would have."""
         with self.lock:
             runs = self._runs
             if not runs:
@@ -169,22 +175,24 @@ class Trace:
                 program, args, outs = runs[k]
                 runs[k] = None  # type: ignore[call-overload]
                 try:
-                    res = _results(program(*[card_array(a) for a in args]), len(outs))
+                    res = program(*[card_array(a) if type(a) in _HELD else a for a in args])
+                    if type(res) is not list and type(res) is not tuple:
+                        res = [res]
                 except BaseException as e:
-                    for refs in [outs] + [r[2] for r in runs[k + 1 :]]:
-                        for w in refs:
-                            d = w()
-                            if d is not None:
-                                d._error = e
+                    for later in [outs] + [r[2] for r in runs[k + 1 :]]:
+                        for d in later:
+                            d._error = e
                     batch.values = running
                     raise
-                for w, v in zip(outs, res, strict=True):
-                    d = w()
-                    if d is not None:
-                        d._value = v
-                # what still runs (JAX's asynchronous dispatch, where the user turned it on)
-                running.extend(v for v in res if not v.is_ready())
+                for k, d in enumerate(outs):
+                    v = d._value = res[k]
+                    if not v.is_ready():  # still running (JAX's asynchronous dispatch, if on)
+                        running.append(v)
             batch.values = running
+
+
+#: argument types that hold a card array (:func:`card_array`)
+_HELD = frozenset({Deferred, tuple})
 
 
 def _results(res: Any, nout: int) -> list[Any]:

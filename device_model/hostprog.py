@@ -35,6 +35,7 @@ from . import runtime as rtm
 from .card import CardSpec
 from .deferred import card_array
 from .kernel import Kernel, format_kernel
+from .launching import launch
 from .layout import TensorLayout, layout_for, np_dtype
 from .payload import to_device_layout
 from .timing import kernel_cost
@@ -674,7 +675,7 @@ class LoadedProgram:
             raise
         self.runner = ProgramRunner(
             self.card,
-            launch=lambda k, bufs: rtm.launch(self._exes[id(k)], bufs),
+            launch=lambda k, bufs: launch(self._exes[id(k)], bufs),
             read_scalar=lambda b: rtm.copy_out(b)[()],
             host_sync=self._host_sync,
             const=lambda vid, arr, lay: self._consts[id(arr)],

@@ -147,6 +147,8 @@ class DeviceMemory:
         After a failure the allocator is exactly as before, counters included.
         """
         with self._lock:
+            if len(sizes) == 1:  # one region: refused before anything changes
+                return [self._alloc_locked(sizes[0], tag)]
             saved = (self._peak, self._num_allocs, self._largest_alloc)
             made: list[int] = []
             try:

@@ -1,7 +1,7 @@
 """The recipe: what one launch of a compiled function submits to the card, as typed steps.
 
 A :class:`Recipe` is frozen and printable. It is the template of a launch; each launch
-is executed by ``device_model.runtime.launch`` on the current stream:
+is executed by ``device_model.launching.launch`` on the current stream:
 
 * ``copy_in``: host to device over PCIe, one per argument that is a host array (arguments
   already in device memory skip it);

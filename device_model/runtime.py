@@ -1,8 +1,9 @@
-"""The card's runtime: device memory, device buffers, streams and the one launch path.
+"""The card's runtime: device memory, device buffers, streams, executables and the steps.
 
-Both frontends stand on this module and nothing else of ours: ``spyre_jax.Array`` wraps a
-:class:`DeviceBuffer`, a torch ``spyre`` storage wraps one too, and both run compiled kernels with
-:func:`launch`. This module is the only code that submits steps to the card's streams
+Both frontends stand on this module and ``device_model.launching`` (the one launch path) and
+nothing else of ours: ``spyre_jax.Array`` wraps a :class:`DeviceBuffer`, a torch ``spyre``
+storage wraps one too, and both run compiled kernels with ``device_model.launching.launch``.
+This module and that one are the only code that submits steps to the card's streams
 (``device_model.streams.Queues``): copies in and out, kernel runs, device-side copies, events.
 
 * :class:`Runtime`: one simulated card (its :class:`~device_model.card.CardSpec`, its
@@ -15,11 +16,9 @@ Both frontends stand on this module and nothing else of ours: ``spyre_jax.Array`
 * :class:`Executable`: a :class:`~device_model.kernel.Kernel` loaded on a card: its constants
   copied into device memory, its :class:`~device_model.recipe.Recipe`, its cost analysis, and the
   vectorized card program (``device_model.execute``), built on first launch.
-* :func:`launch`: the one launch of both frontends (``spyre_jax.jit``, compiled graphs, eager
-  ops, data movements). It executes an executable's recipe on the current stream: a
-  ``copy_in`` step for every host argument, the ``run_kernel`` step; ``copy_out`` steps are
-  taken when the host reads a result (:func:`copy_out`). Races, destroyed streams and a full
-  device memory are refused before anything changes.
+* The steps besides a kernel run: :func:`copy_in`, :func:`copy_out` (a host read of a result),
+  :func:`device_copy`, events, :func:`synchronize`. Races, destroyed streams and a full device
+  memory are refused before anything changes.
 
 Importing this module does not import JAX (``import torch`` loads the ``spyre`` device, which
 stands on it); the card program is built, and JAX imported, by the first launch.
@@ -35,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from . import donation
 from .card import DEFAULT_CARD, CardSpec
 from .deferred import Deferred, Trace, card_array
 from .kernel import Kernel, format_kernel
@@ -64,7 +62,6 @@ __all__ = [
     "set_card",
     "DeviceBuffer",
     "Executable",
-    "launch",
     "card_array",
     "copy_in",
     "copy_out",
@@ -588,6 +585,9 @@ class Executable:
         self._out_nbytes = tuple(lay.nbytes for lay in out_layouts)
         self._device_array: Any = None
         self._block: Any = None
+        #: what every launch of it shares (``device_model.launching.LaunchRecord``), made by
+        #: its first launch
+        self.launch_record: Any = None
         #: its variants with other card programs (:meth:`with_runner`), kept by their user
         #: (``torch_bridge.eager``: one per combination of operand gathers folded in)
         self.variants: dict[Any, Executable] = {}
@@ -631,166 +631,8 @@ class Executable:
         ex = copy.copy(self)
         ex._runner = runner
         ex._jitted = hasattr(runner, "lower")
+        ex.launch_record = None
         return ex
 
     def __repr__(self) -> str:
         return f"<spyre Executable {self.name}: {self.num_inputs} args>"
-
-
-#: a buffer's record of launches in flight that read it drops the finished ones past this many
-_READERS_PRUNE = 64
-
-
-def launch(
-    exe: Executable,
-    args: Sequence[Any],
-    *,
-    defer: bool = False,
-    params: Sequence[Any] = (),
-    seconds: float | None = None,
-    donate: Sequence[int] = (),
-) -> list[DeviceBuffer]:
-    """Run ``exe``'s recipe once on the current stream; one output buffer per output. The one
-    launch of both frontends: ``spyre_jax.jit``, torch's compiled graphs, eager ops and the
-    data movements of ``torch_bridge.card_cat`` all come here.
-
-    ``defer``: the card program that computes the outputs may be recorded in the card's trace
-    (:mod:`device_model.deferred`) and run later, with the next ones, when a value is needed;
-    everything else (checks, memory, the timeline) happens now either way.
-
-    ``args``: one per argument, a :class:`DeviceBuffer` (used in place) or host values (copied
-    in for this launch, freed after it). ``params``: values the program takes after them as
-    they are (a data movement's offsets: no copy, no step). ``seconds``: the step's time on
-    the card where the executable has none of its own (:meth:`Executable.for_program`).
-    ``donate``: indices of device-resident arguments whose regions outputs may take
-    (:mod:`device_model.donation`); each taken one is deleted by the launch.
-    Refused before anything changes on: a buffer of another card (ValueError), a race on a
-    device-resident argument (RaceError), a destroyed stream (StreamError), a full device
-    memory (DeviceOOMError: nothing stays allocated).
-    """
-    rt = exe.rt
-    q = rt.queues
-    st = getattr(_local, "stack", None)  # current_stream_id(), inlined: the launch is hot
-    sid = st[-1][1] if st and st[-1][0] is rt and rt is _current else DEFAULT_STREAM
-    if len(args) != len(exe.in_layouts):
-        raise TypeError(f"spyre: {exe.name} takes {len(exe.in_layouts)} arguments, got {len(args)}")
-    resident = []
-    for a in args:
-        if type(a) is DeviceBuffer:
-            if a.rt is not rt:
-                raise ValueError(
-                    "spyre: an argument lives on a previous card (before set_card); "
-                    "copy it to the host and back"
-                )
-            resident.append(a.addr)
-    if resident:
-        q.check_reads(sid, "run_kernel", exe.step_name, resident)
-    bufs: list[DeviceBuffer] = list(args)
-    temps: list[DeviceBuffer] = []
-    outs: list[DeviceBuffer] = []
-    try:
-        for kind, index in exe.plan:
-            if kind == "copy_in":
-                if type(args[index]) is not DeviceBuffer:
-                    b = copy_in(args[index], exe.in_layouts[index], rt=rt, tag="launch_arg")
-                    temps.append(b)
-                    bufs[index] = b
-            elif kind == "run_kernel":
-                outs = _run_kernel(exe, bufs, temps, sid, defer, params, seconds, donate)
-            # copy_out steps are taken when the host reads a result (copy_out)
-    finally:
-        for t in temps:
-            t.delete()
-    return outs
-
-
-def _run_kernel(
-    exe: Executable,
-    bufs: list[DeviceBuffer],
-    temps: list[DeviceBuffer],
-    sid: int,
-    defer: bool,
-    params: Sequence[Any],
-    seconds: float | None,
-    donate: Sequence[int] = (),
-) -> list[DeviceBuffer]:
-    rt = exe.rt
-    runner = exe._runner or exe.runner()
-    payloads = [b.payload() for b in bufs]
-    for i, p in enumerate(payloads):
-        if type(p) is np.ndarray and bufs[i] not in temps:
-            p = payloads[i] = exe._device_array(p)  # a resident host payload: a card array once
-            bufs[i].store(p)
-    if params:
-        payloads += params
-    if exe.consts:
-        payloads += [c.payload() for c in exe.consts]
-    # one jitted program may wait in the trace; a staged one takes its arguments' values now
-    defer = defer and exe._jitted
-    if not defer:
-        payloads = [card_array(p) for p in payloads]
-    # (the eager ops' launches donate nothing: no plan, the allocation as before)
-    taken = donation.plan(exe.out_layouts, len(exe._out_sizes), bufs, donate) if donate else ()
-    with rt.lock:
-        sizes = (
-            [n for n, t in zip(exe._out_sizes, taken, strict=True) if t is None]
-            if taken
-            else exe._out_sizes
-        )
-        fresh = rt.memory.allocate_many(sizes, tag="launch")
-    addrs = donation.addresses(taken, fresh) if taken else fresh
-    try:
-        if defer:
-            results: list[Any] = rt.trace.call(runner, payloads, len(exe.out_layouts))
-        else:
-            results = runner(*payloads)
-        if results and not results[0].is_ready():
-            _record_readers(exe, rt, bufs, results)
-    except BaseException:
-        for a in fresh:
-            rt.memory.free(a)
-        raise
-    donation.consume(taken)
-    nout = len(exe.out_layouts)
-    if len(addrs) > nout:
-        rt.memory.free(addrs[-1])  # the workspace of intermediates
-    outs = []
-    pending = type(results[0]) is Deferred if results else False
-    for a, lay, n, r in zip(addrs, exe.out_layouts, exe._out_nbytes, results, strict=False):
-        outs.append(DeviceBuffer(rt, a, n, lay, PendingRun(r) if pending else OnCard(r)))
-    rt.queues.submit(
-        sid,
-        "run_kernel",
-        exe.step_name,
-        reads=tuple([b.addr for b in bufs]) + exe._const_addrs,
-        writes=addrs[:nout],
-        duration=exe.kernel_seconds if seconds is None else seconds,
-        detail=exe._cost,
-        checked=True,  # launch checked every device-resident argument; copies-in are ours
-    )
-    return outs
-
-
-def _record_readers(
-    exe: Executable, rt: Runtime, bufs: list[DeviceBuffer], results: list[Any]
-) -> None:
-    """The host may write the bytes of inputs that share its memory next: unless the run has
-    finished (it ran where called; the outputs of one run are ready together), each such input
-    records the launch among its readers (its writer waits for it), or where one keeps no
-    record the launch waits here (and then no record is needed)."""
-    shared = [b for b in bufs if b.state.shared]
-    if not shared:
-        return
-    lists = [b._readers for b in shared]
-    if None in lists:
-        exe._block([card_array(r) for r in results])
-        return
-    # a deferred run is waited for as its trace's batch (its results may die first)
-    mark = rt.trace.batch if type(results[0]) is Deferred else None
-    for rd in lists:
-        if len(rd) >= _READERS_PRUNE:
-            rd[:] = [r for r in rd if not r.is_ready()]
-        if mark is None:
-            rd.extend(results)
-        elif not rd or rd[-1] is not mark:
-            rd.append(mark)

@@ -276,20 +276,24 @@ class Queues:
         if kind not in PIPELINE_OF:
             raise ValueError(f"unknown step kind {kind!r}")
         with self.lock:
-            st = self.state(stream)
+            st = self.streams.get(stream)
+            if st is None or not st.alive:
+                st = self.state(stream)  # raises
             tok = st.token
             if waits:
                 waits = tuple(waits)
                 clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
                 start = max(tok.time, self.host_time, *(w.time for w in waits))
             else:
-                clock = _merge(tok.clock, self.host_clock)
-                start = max(tok.time, self.host_time)
+                clock, hc = tok.clock, self.host_clock
+                if hc and hc != clock:  # (_merge's common case inlined: one step per eager op)
+                    clock = _merge(clock, hc)
+                start = tok.time if tok.time > self.host_time else self.host_time
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)
             pipe = PIPELINE_OF[kind]
-            if pipe is not None:
-                start = max(start, self.pipe_free[pipe])
+            if pipe is not None and self.pipe_free[pipe] > start:
+                start = self.pipe_free[pipe]
             end = start + duration
             seq = tok.seq + 1
             rec = StepRecord(

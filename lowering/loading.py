@@ -13,7 +13,7 @@ Both frontends load what they compile through here:
   card's runtime), never a frontend's objects: ``torch_bridge.eager`` turns an ATen call into
   one, and ``spyre_jax`` arrays can use the same cache without importing ``torch_bridge``.
 
-The launch itself is ``device_model.runtime.launch``.
+The launch itself is ``device_model.launching.launch``.
 """
 
 from __future__ import annotations

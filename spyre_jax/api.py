@@ -15,7 +15,8 @@ import numpy as np
 from device_model.card import CardSpec
 from device_model.hostprog import LoadedProgram, Program, format_program, program_cost
 from device_model.kernel import Kernel, format_kernel
-from device_model.runtime import Executable, launch, runtime
+from device_model.launching import launch
+from device_model.runtime import Executable, runtime
 from device_model.timing import kernel_cost, parameter_shares
 from lowering.control import has_control, lower_program, unroll_scans
 from lowering.from_jaxpr import from_jaxpr
@@ -157,7 +158,7 @@ class Compiled:
         return list(jax.tree_util.tree_leaves(self._run(list(leaves))))
 
     def _run(self, leaves: list[Any], defer: bool = False, donate: Sequence[int] = ()) -> Any:
-        """One launch (``device_model.runtime.launch``) on the current stream (``defer``: its
+        """One launch (``device_model.launching.launch``) on the current stream (``defer``: its
         program recorded in the card's lazy trace, as an eager op's). Refused (RaceError,
         StreamError, DeviceOOMError) before anything changes."""
         # arrays were checked alive when the call was keyed (``Jitted._split``); the caller was

@@ -13,7 +13,7 @@ from test_eager_buckets import _compiles, _fresh  # noqa: F401  (_fresh: autouse
 
 import spyre_jax
 from spyre_jax.tools.testing import assert_close
-from torch_bridge import card_cat, eager, storage
+from torch_bridge import card_cat, eager, operands, storage
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -186,11 +186,11 @@ def test_a_result_laid_out_by_strides_is_read_whole_without_a_gather():
     for _ in range(2):
         r = s.transpose(0, 2) * 2  # strides (1, 40, 200), pending
         assert r.stride() == (x.transpose(0, 2) * 2).stride()
-        key, _ = storage._view_key(storage.region(r), r, storage.region(r).pending.layout, 0)
+        key, _ = operands._view_key(storage.region(r), r, storage.region(r).pending.layout, 0)
         assert key[0][0] == "masked"
         pend = storage.region(r).pending
         if pend.shape == pend.layout.shape:  # not at a bucket (a plan cached by another test)
-            buf, geometry = storage.card_operand(r, pend.layout)
+            buf, geometry = operands.card_operand(r, pend.layout)
             buf.delete()
             assert geometry is None  # read as it is: no gather folded into the kernel
         _same((r + 1).cpu(), x.transpose(0, 2) * 2 + 1)

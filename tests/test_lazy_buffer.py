@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import spyre_jax
+from device_model import launching
 from device_model import runtime as rtm
 from device_model.card import CardSpec
 from device_model.deferred import Deferred
+from device_model.launching import launch
 from device_model.layout import layout_for
 from device_model.memory import DeviceOOMError
 from device_model.payload import (
@@ -29,7 +31,7 @@ from device_model.payload import (
     Unwritten,
     state_of,
 )
-from device_model.runtime import DeviceBuffer, copy_in, launch, runtime
+from device_model.runtime import DeviceBuffer, copy_in, runtime
 from lowering.from_jaxpr import from_jaxpr
 from lowering.loading import OP_KERNELS, OpKernels, OpKey, check_fits, load
 from torch_bridge import card_cat, storage
@@ -209,13 +211,13 @@ def test_a_whole_copy_on_the_card_shares_the_result_state():
 
 def test_every_path_launches_through_device_model_launch(monkeypatch):
     calls: list[str] = []
-    real = rtm._run_kernel
+    real = launching.LaunchRecord._run
 
-    def counting(exe, *a, **k):
-        calls.append(exe.name)
-        return real(exe, *a, **k)
+    def counting(rec, *a, **k):
+        calls.append(rec.exe.name)
+        return real(rec, *a, **k)
 
-    monkeypatch.setattr(rtm, "_run_kernel", counting)
+    monkeypatch.setattr(launching.LaunchRecord, "_run", counting)
     # spyre_jax.jit
     f = spyre_jax.jit(lambda v: v * 2.0)
     np.testing.assert_allclose(np.asarray(f(np.ones((4, 64), np.float32))), 2.0)
@@ -331,7 +333,8 @@ def test_the_op_kernel_cache_is_usable_without_torch_bridge():
         import sys
         import jax
         import numpy as np
-        from device_model.runtime import copy_out, launch, runtime
+        from device_model.launching import launch
+        from device_model.runtime import copy_out, runtime
         from lowering.from_jaxpr import from_jaxpr
         from lowering.loading import OP_KERNELS, OpKey
 

@@ -295,7 +295,7 @@ def test_jit_arguments_too_big_together_fail_before_any_copy(small_card):
 def test_spyre_weights_are_read_in_place_not_copied_per_launch(fresh_card):
     # a model on the spyre device: each launch reads the weights' own bytes (a view of their
     # storage), so device memory holds them once and a call allocates only activations
-    from torch_bridge.storage import as_card_buffer
+    from torch_bridge.operands import as_card_buffer
 
     torch.manual_seed(0)
     cpu = _MLP().half().eval()
@@ -324,7 +324,7 @@ def test_spyre_weights_are_read_in_place_not_copied_per_launch(fresh_card):
 
 
 def test_views_only_where_the_bytes_are_the_card_layout(fresh_card):
-    from torch_bridge.storage import as_card_buffer
+    from torch_bridge.operands import as_card_buffer
 
     padded = torch.randn(4, 100).half().to("spyre")  # rows of 100 fp16: padded to 128 on card
     strided = torch.randn(64, 64).half().to("spyre").t()

@@ -19,7 +19,7 @@ import spyre_jax
 from device_model.runtime import runtime
 from spyre_jax.tools.testing import assert_close
 from torch_bridge import device as dev
-from torch_bridge import storage
+from torch_bridge import operands, storage
 from torch_bridge.backend import SpyreFallbackWarning
 
 
@@ -522,7 +522,7 @@ def test_card_array_round_trip():
     x = _rand((5, 70))
     xs = x.to("spyre")
     # the device buffer both frontends wrap: a spyre tensor's card buffer as a spyre_jax.Array
-    a = spyre_jax.Array(storage.as_card_buffer(xs.t()))  # a strided view: gathered into sticks
+    a = spyre_jax.Array(operands.as_card_buffer(xs.t()))  # a strided view: gathered into sticks
     assert isinstance(a, spyre_jax.Array) and a.shape == (70, 5) and a.layout.device_shape[-1] == 32
     assert np.array_equal(np.asarray(a), x.t().numpy())
     back = storage.from_card_buffer(a.buffer)

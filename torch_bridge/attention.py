@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from device_model.runtime import runtime
 
-from . import eager, pad_rules
+from . import eager, one_op, pad_rules
 
 __all__ = ["register", "fast_path"]
 
@@ -171,5 +171,5 @@ def register(lib: torch.library.Library) -> None:
     own.impl("attention", _attention_fake, "Meta")
     ATTENTION = torch.ops.spyre_jax.attention.default
     own.impl("attention", eager._kernel_for(ATTENTION), "PrivateUse1")
-    eager.DECOMPOSITIONS[ATTENTION] = _attention
+    one_op.DECOMPOSITIONS[ATTENTION] = _attention
     pad_rules.register_masked("spyre_jax::attention", 3)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import eager
+from . import eager, one_op
 
 __all__ = ["register"]
 
@@ -96,4 +96,4 @@ def register(lib: torch.library.Library) -> None:
     own.impl("batch_norm_eval", _eval_fake, "Meta")
     BATCH_NORM_EVAL = torch.ops.spyre_jax.batch_norm_eval.default
     own.impl("batch_norm_eval", eager._kernel_for(BATCH_NORM_EVAL), "PrivateUse1")
-    eager.DECOMPOSITIONS[BATCH_NORM_EVAL] = _eval
+    one_op.DECOMPOSITIONS[BATCH_NORM_EVAL] = _eval

@@ -5,7 +5,7 @@ bucket, the sizes and offsets its arguments.
 A one-op kernel of ``cat`` cannot run on a size bucket (:mod:`torch_bridge.buckets`): padding
 an input along the joined dim would move every input after it. Here each input is gathered into
 the result's bucket layout at its own sizes (zeros past them, the operand gathers of every
-kernel: :func:`torch_bridge.storage.card_operand`) and written at its offset along the dim
+kernel: :func:`torch_bridge.operands.card_operand`) and written at its offset along the dim
 (:func:`torch_bridge.relayout.cat_program`). The result keeps the bucket's size, like every
 bucketed result (the host crops it when it reads it, the next kernel masks the rest). On the
 timeline it is a device-side copy of the result's bytes on the current stream.
@@ -23,11 +23,13 @@ import threading
 import numpy as np
 import torch
 
+from device_model.launching import launch
 from device_model.layout import TensorLayout, layout_for
-from device_model.runtime import Executable, Runtime, check_reads, launch, runtime
+from device_model.runtime import Executable, Runtime, check_reads, runtime
 from lowering.from_fx import card_dtype
 
 from . import buckets
+from . import operands as ops
 from . import storage as st
 
 __all__ = ["try_card_cat", "stats", "reset_stats"]
@@ -88,7 +90,7 @@ def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
     operands, geometries = [], []
     try:
         for t in tensors:
-            b, g = st.card_operand(t, layout, 0)
+            b, g = ops.card_operand(t, layout, 0)
             operands.append(b)
             geometries.append(g)
         exe = _movement(tuple(geometries), layout, dim, rt)
@@ -113,7 +115,7 @@ def _movement(
     key = (geometries, layout, dim, rt)
     exe = _movements.get(key)
     if exe is None:
-        program = st._relayout().cat_program(geometries, layout, dim)
+        program = ops.relayout_module().cat_program(geometries, layout, dim)
         n = len(geometries)
         exe = Executable.for_program(f"cat x{n}", program, (layout,) * n, (layout,), rt)
         if len(_movements) >= 1024:

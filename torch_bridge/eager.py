@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import math
-import operator
 import sys
 import threading
 import warnings
@@ -39,27 +38,28 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch._decomp import decomposition_table
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from device_model.launching import launch
 from device_model.layout import layout_for, np_dtype
 from device_model.memory import DeviceOOMError
-from device_model.runtime import launch, runtime
+from device_model.runtime import runtime
 from lowering.from_fx import RULES, card_dtype, from_fx, supported
 from lowering.loading import OP_KERNELS, OpKey
 
 from . import buckets
+from . import operands as ops
 from . import storage as st
 from .card_cat import reset_stats as reset_card_cats
 from .card_cat import stats as card_cat_stats
 from .card_cat import try_card_cat
 from .errors import SpyreFallbackWarning
-from .graph_passes import core_decompositions
 from .host_ops import run_on_host
 from .kernels import load
+from .one_op import NT_OPS, decomposed, is_nt, one_op_graph, same_results
 from .registration import eligible, is_tensor_type
+from .strides import key_strides
 from .written import functional, functional_args, has_spyre_input, write_back, written_tensors
 
 __all__ = ["register_kernels", "fallback", "stats", "fallback_counts", "reset_stats"]
@@ -420,7 +420,7 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
             if p is None:
                 continue
             if st.is_spyre(x):
-                nt = op in _NT_OPS and _is_nt(x)
+                nt = op in NT_OPS and is_nt(x)
                 shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if nt else tuple(x.shape)
                 lay = layout_for(shape, card_dtype(x.dtype, "an input"), stick)
                 inputs.append((i, "T", x.dtype, lay, nt))
@@ -429,7 +429,7 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
                 inputs.append((i, kind, p.dtype, None, False))
         plan.inputs = inputs
         nts = tuple(i for i, *_, nt in inputs if nt)
-        gm = _one_op_graph(op, spec, leaves, ph, out, outs, nts, mode)
+        gm = one_op_graph(op, spec, leaves, ph, out, outs, nts, mode)
         okey = op_key(key, nts)
         compiled = OP_KERNELS.get(okey)  # another stride pattern may have compiled it
         if compiled is None:
@@ -444,62 +444,6 @@ def _build(op: Any, leaves: list, spec: Any, key: Any) -> _Plan:
     return plan
 
 
-#: ops that read an operand given transposed (``x @ w.t()``, a Linear's weight) in place: the
-#: kernel takes the operand's own bytes and a transpose the lowering folds into the matmul
-#: (``lowering.matmul_passes.nt_matmul``), instead of a gather of it on every call; the timing
-#: model charges the card's restickify of that product's cheaper form (``MatmulStep.nt_form``)
-_NT_OPS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})
-
-
-def _is_nt(x: torch.Tensor) -> bool:
-    """``x`` is the transpose of its last two dims of a contiguous tensor (not itself one)."""
-    return x.dim() >= 2 and not x.is_contiguous() and x.transpose(-1, -2).is_contiguous()
-
-
-def _one_op_graph(
-    op: Any,
-    spec: Any,
-    leaves: list,
-    ph: list,
-    out: Any,
-    outs: list,
-    nts: tuple[int, ...] = (),
-    mode: Any = None,
-) -> torch.fx.GraphModule:
-    """The op as an FX graph of one node over placeholders; an input in ``nts`` is given as
-    its transpose (contiguous) and transposed back in the graph."""
-    g = torch.fx.Graph()
-    env: list[Any] = []
-    for i, (x, p) in enumerate(zip(leaves, ph, strict=True)):
-        if p is None:
-            env.append(x)
-            continue
-        n = g.placeholder(f"x{i}")
-        n.meta["val"] = p
-        if i in nts:
-            with mode:
-                n.meta["val"] = torch.empty_like(
-                    p.transpose(-1, -2), memory_format=torch.contiguous_format
-                )
-                val = n.meta["val"].transpose(-1, -2)
-            n = g.call_function(aten.transpose.int, (n, -1, -2))
-            n.meta["val"] = val
-        env.append(n)
-    a, k = tree_unflatten(env, spec)
-    node = g.call_function(op, tuple(a), dict(k))
-    node.meta["val"] = out
-    if isinstance(out, tuple | list):
-        items = []
-        for j, o in enumerate(outs):
-            gi = g.call_function(operator.getitem, (node, j))
-            gi.meta["val"] = o
-            items.append(gi)
-        g.output(tuple(items))
-    else:
-        g.output(node)
-    return torch.fx.GraphModule(torch.nn.Module(), g)
-
-
 def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: list) -> Any:
     """``from_fx`` + ``compile_graph`` for the one-op graph, or for the op's core-ATen
     decomposition when the op itself has no rule (only without lifted numbers)."""
@@ -508,8 +452,8 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     if not supported(node):
         if any(kind != "T" or nt for _, kind, _, _, nt in inputs):
             raise NotImplementedError(f"no lowering rule for {op}")
-        gm = _decomposed(op, spec, orig, inputs)
-        if not _same_results(gm, node.meta["val"]):
+        gm = decomposed(op, spec, orig, inputs)
+        if not same_results(gm, node.meta["val"]):
             raise NotImplementedError(f"no lowering rule for {op} (its decomposition differs)")
         bad = [n for n in gm.graph.nodes if not supported(n)]
         if bad:
@@ -521,45 +465,6 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
     with _lock:
         _counts["compiles"] += 1
     return compiled
-
-
-def _same_results(gm: torch.fx.GraphModule, out: Any) -> bool:
-    """Whether a decomposition's results have the op's shapes and dtypes. Not all of torch's
-    do: ``_scaled_dot_product_flash_attention_for_cpu``'s second result is the attention
-    weights, not the log-sum-exp the op returns."""
-    want = list(out) if isinstance(out, tuple | list) else [out]
-    got = tree_flatten(next(n for n in gm.graph.nodes if n.op == "output").args)[0]
-    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else n for n in got]
-    return len(vals) == len(want) and all(
-        isinstance(v, torch.Tensor) and v.shape == w.shape and v.dtype == w.dtype
-        for v, w in zip(vals, want, strict=True)
-    )
-
-
-#: decompositions beside core ATen's (:func:`_decomposed`): our own ops' (set by their owners)
-#: and the interpolations core ATen keeps whole (compiled graphs meet their ``.vec`` forms)
-DECOMPOSITIONS: dict[Any, Any] = {
-    op: decomposition_table[op]
-    for op in (
-        aten.upsample_bilinear2d.default,
-        aten.upsample_bicubic2d.default,
-        aten.upsample_trilinear3d.default,
-    )
-}
-
-
-def _decomposed(op: Any, spec: Any, orig: list, inputs: list) -> torch.fx.GraphModule:
-    idx = [i for i, *_ in inputs]
-
-    def f(*ts: torch.Tensor) -> Any:
-        vals = list(orig)
-        for i, t in zip(idx, ts, strict=True):
-            vals[i] = t
-        a, k = tree_unflatten(vals, spec)
-        return op(*a, **k)
-
-    table = {**core_decompositions(), **DECOMPOSITIONS}
-    return make_fx(f, decomposition_table=table, tracing_mode="real")(*[orig[i] for i in idx])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -584,7 +489,7 @@ FAST_PLANS = 4096
 _fast: dict[Any, _Plan] = {}
 
 
-_strides = st.key_strides
+_strides = key_strides
 
 
 def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
@@ -659,8 +564,53 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _run_plan(plan: _Plan, leaves: list) -> Any:
-    """Launch the plan's kernel (``device_model.runtime.launch``) with the call's leaves as
-    its arguments; its results as spyre tensors."""
+    """Launch the plan's kernel (``device_model.launching.launch``) with the call's leaves as
+    its arguments; its results as spyre tensors. The common call first: no size bucket, each
+    tensor read in its own bytes (a weight, the result of the op before); else
+    :func:`_run_gathered`."""
+    if plan.pad is not None:
+        return _run_gathered(plan, leaves)
+    operands: list[Any] = []
+    for i, kind, pdt, lay, nt in plan.inputs:
+        x = leaves[i]
+        if kind == "T":
+            b = ops.own_bytes(x.transpose(-1, -2) if nt else x, lay)
+            if b is None:  # gathered: by the kernel, or on the host
+                return _run_gathered(plan, leaves)
+            operands.append(b)
+        else:
+            operands.append(_host_operand(x, kind, pdt))
+    bufs = launch(plan.compiled, operands, defer=True)
+    with _lock:
+        _counts["launches"] += 1
+    return _as_tensors(plan, bufs)
+
+
+def _host_operand(x: Any, kind: str, pdt: torch.dtype) -> np.ndarray:
+    """A CPU 0-dim tensor (``C``) or a number (``S``: lifted on the general path, as the call
+    gave it on the fast path) as the host value the launch copies in."""
+    if kind == "C":
+        return st.to_host(x.to(pdt) if x.dtype != pdt else x)
+    return np.asarray(x.v if type(x) is _Lift else x, dtype=_NP_OF[pdt])
+
+
+def _as_tensors(plan: _Plan, bufs: list) -> Any:
+    """The launch's results (not on a size bucket) as spyre tensors, pending on the card."""
+    results = plan.results
+    if results is None:
+        results = plan.results = [
+            st.card_result(b.layout, dt, sd, b.layout.shape)
+            for b, (dt, sd) in zip(bufs, plan.outs, strict=True)
+        ]
+    if plan.single:
+        return st.from_card(bufs[0], *plan.outs[0], None, results[0])
+    res = zip(bufs, plan.outs, results, strict=True)
+    return tuple(st.from_card(b, dt, sd, None, r) for b, (dt, sd), r in res)
+
+
+def _run_gathered(plan: _Plan, leaves: list) -> Any:
+    """:func:`_run_plan` with operands gathered (by the kernel, fused into its program, or on
+    the host) or padded to a size bucket."""
     operands: list[Any] = []
     temps = []
     pad = plan.pad
@@ -674,16 +624,13 @@ def _run_plan(plan: _Plan, leaves: list) -> Any:
                 x = x.transpose(-1, -2)
             if kind == "T":
                 # on a bucket's kernel: gathered into the bucket's size, the rest filled
-                b, g = st.card_operand(x, lay, pad[0].fills[i] if pad else 0)
+                b, g = ops.card_operand(x, lay, pad[0].fills[i] if pad else 0)
                 if pad:
                     padding += (math.prod(lay.shape) - x.numel()) * np_dtype(lay.dtype).itemsize
                 temps.append(b)
                 operands.append(b)
-            elif kind == "C":
-                operands.append(st.to_host(x.to(pdt) if x.dtype != pdt else x))
-            else:  # a number: lifted (general path) or as the call gave it (fast path)
-                v = x.v if type(x) is _Lift else x
-                operands.append(np.asarray(v, dtype=_NP_OF[pdt]))
+            else:
+                operands.append(_host_operand(x, kind, pdt))
             geometries.append(g)
         exe = plan.compiled
         if any(g is not None for g in geometries):
@@ -698,23 +645,13 @@ def _run_plan(plan: _Plan, leaves: list) -> Any:
             _counts["padded_launches"] += 1
             _counts["padding_bytes"] += padding
     if pad is None:
-        results = plan.results
-        if results is None:
-            results = plan.results = [
-                st.card_result(b.layout, dt, sd, b.layout.shape)
-                for b, (dt, sd) in zip(bufs, plan.outs, strict=True)
-            ]
-        res = [
-            st.from_card(b, dt, sd, None, r)
-            for b, (dt, sd), r in zip(bufs, plan.outs, results, strict=True)
-        ]
-    else:
-        # computed at the bucket's sizes: each result keeps them, its own size the tensor's
-        # (the host crops it when it reads it, the next kernel masks the rest)
-        res = [
-            st.from_card(b, dt, sd, lay.shape)
-            for b, (dt, sd), lay in zip(bufs, plan.outs, pad[1], strict=True)
-        ]
+        return _as_tensors(plan, bufs)
+    # computed at the bucket's sizes: each result keeps them, its own size the tensor's (the
+    # host crops it when it reads it, the next kernel masks the rest)
+    res = [
+        st.from_card(b, dt, sd, lay.shape)
+        for b, (dt, sd), lay in zip(bufs, plan.outs, pad[1], strict=True)
+    ]
     return res[0] if plan.single else tuple(res)
 
 
@@ -731,7 +668,7 @@ def _fused(plan: _Plan, geometries: tuple) -> Any:
         if not hasattr(runner, "lower"):  # staged: not one program
             exe = plan.compiled.with_runner(_gathering(runner, geometries))
         else:
-            exe = plan.compiled.with_runner(st._relayout().fused(runner, geometries))
+            exe = plan.compiled.with_runner(ops.relayout_module().fused(runner, geometries))
         with _lock:
             if len(fused) >= FUSED_PER_PLAN:
                 fused.clear()
@@ -744,7 +681,7 @@ FUSED_PER_PLAN = 64
 
 
 def _gathering(runner: Any, geometries: tuple) -> Any:
-    gather = st._relayout().gather_view
+    gather = ops.relayout_module().gather_view
 
     def run(*args: Any) -> Any:
         ins = [a if g is None else gather(*a, g) for g, a in zip(geometries, args, strict=False)]

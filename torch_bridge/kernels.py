@@ -2,7 +2,7 @@
 
 The one path the eager device and the ``torch.compile`` backend share: ``lowering.pipeline``
 schedules the graph, ``device_model.runtime`` loads and launches it. Spyre tensors go in as the
-card buffers they are (no host round trip, :func:`~torch_bridge.storage.as_card_buffer`), CPU
+card buffers they are (no host round trip, :func:`~torch_bridge.operands.as_card_buffer`), CPU
 tensors are copied in; results on spyre come back as spyre tensors.
 """
 
@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from device_model.hostprog import LoadedProgram
+from device_model.launching import launch
 from device_model.layout import TensorLayout
-from device_model.runtime import DeviceBuffer, Executable, copy_in, copy_out, launch, runtime
+from device_model.runtime import DeviceBuffer, Executable, copy_in, copy_out, runtime
 from lowering import hoist, loading
 from lowering.graph import Graph
 
-from .storage import NAME, as_card_buffer, from_card_buffer, from_host, is_spyre, to_host
+from .operands import as_card_buffer
+from .storage import NAME, from_card_buffer, from_host, is_spyre, to_host
 
 __all__ = ["load", "run_graph", "resident_parameter", "resident_stats", "WeightLayouts"]
 

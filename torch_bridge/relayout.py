@@ -198,7 +198,7 @@ def _masked(layout: TensorLayout, fill: Any) -> Callable[[jax.Array, jax.Array],
 
 def gather_view(src: jax.Array, dyn: np.ndarray, key: tuple[Any, ...]) -> jax.Array:
     """:func:`view_program` run alone (jitted): for a kernel run stage by stage, and for an
-    operand of a graph the backend compiled (``torch_bridge.storage.as_card_buffer``)."""
+    operand of a graph the backend compiled (``torch_bridge.operands.as_card_buffer``)."""
     return _jitted_view(key)(src, dyn)
 
 
