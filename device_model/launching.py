@@ -200,7 +200,7 @@ class LaunchRecord:
                 else:
                     results = trace.call(self.runner, payloads, nout)
                     self.trace = trace
-            if results and not results[0].is_ready():
+            if results and (type(results[0]) is Deferred or not results[0].is_ready()):
                 record_readers(self.exe, rt, bufs, results)
         except BaseException:
             for a in fresh:

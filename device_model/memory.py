@@ -166,6 +166,14 @@ class DeviceMemory:
         with self._lock:
             self._free_locked(addr)
 
+    def release(self, addr: int) -> bool:
+        """:meth:`free` if ``addr`` is a live region (True), else nothing (False)."""
+        with self._lock:
+            if addr not in self._live:
+                return False
+            self._free_locked(addr)
+            return True
+
     def store(self, addr: int, data: object, nbytes: int | None = None) -> None:
         """Attach ``data`` (a jax array with the region's contents) to the live region ``addr``.
 

@@ -91,6 +91,8 @@ class Runtime:
         self.lock = threading.RLock()
         #: eager launches' card programs not run yet (``device_model.deferred``)
         self.trace = Trace()
+        #: the device-memory bandwidth of a device-side copy (half reads, half writes)
+        self.copy_bw = card.memory_bw(0.5)
 
     def __repr__(self) -> str:
         return f"<spyre Runtime {self.memory.stats()['bytes_in_use']} B in use>"
@@ -159,8 +161,7 @@ def current_stream_id() -> int:
 
 
 def _free_quiet(rt: Runtime, addr: int) -> None:
-    if addr in rt.memory:
-        rt.memory.free(addr)
+    if rt.memory.release(addr):
         rt.queues.forget(addr)
 
 
@@ -449,7 +450,6 @@ def device_copy(
     """A device-side copy, fill or re-layout of ``nbytes`` (read and written at the card's
     streaming device-memory bandwidth): a ``run_kernel`` step on the current stream."""
     rt = writes[0].rt if writes else _current
-    card = rt.card
     for b in writes:
         b.version += 1
     rt.queues.submit(
@@ -458,7 +458,7 @@ def device_copy(
         name,
         reads=tuple(b.addr for b in reads),
         writes=tuple(b.addr for b in writes),
-        duration=2 * nbytes / card.memory_bw(0.5),  # one read and one write of each byte
+        duration=2 * nbytes / rt.copy_bw,  # one read and one write of each byte
         nbytes=nbytes,
     )
 

@@ -96,7 +96,7 @@ def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
         exe = _movement(tuple(geometries), layout, dim, rt)
         nbytes = math.prod(shape) * first.element_size()
         # a device-side copy of the result's bytes (one read and one write of each)
-        seconds = 2 * nbytes / rt.card.memory_bw(0.5)
+        seconds = 2 * nbytes / rt.copy_bw
         offs = np.array(offsets, np.int32)
         (buf,) = launch(exe, operands, defer=True, params=(offs,), seconds=seconds)
     finally:

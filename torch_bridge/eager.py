@@ -526,10 +526,11 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     return tuple(key), leaves
 
 
-def _cached_plan(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list]:
+def _cached_plan(op: Any, args: tuple, kwargs: dict, fast: Any = ()) -> tuple[_Plan, list]:
     """:func:`_plan_for` through the fast key where the call has one (a card plan found by it
-    skips the general signature)."""
-    fast = None if kwargs else _fast_key(op, args)
+    skips the general signature). ``fast``: the call's fast key, where the caller made it."""
+    if fast == ():
+        fast = None if kwargs else _fast_key(op, args)
     if fast is not None:
         plan = _fast.get(fast[0])
         if plan is not None:
@@ -553,7 +554,12 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
         res = try_card_cat(args, kwargs)
         if res is not None:
             return res
-    plan, leaves = _cached_plan(op, args, kwargs)
+    fast = None if kwargs else _fast_key(op, args)
+    if fast is not None:  # (_cached_plan's hit, inlined: its count goes with the launch's)
+        plan = _fast.get(fast[0])
+        if plan is not None:
+            return _run_plan(plan, fast[1], hit=True)
+    plan, leaves = _cached_plan(op, args, kwargs, fast)
     if plan.compiled is not None:
         return _run_plan(plan, leaves)
     if plan.host:
@@ -563,26 +569,27 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
     return _run_cpu(op, args, kwargs, reason=plan.reason)
 
 
-def _run_plan(plan: _Plan, leaves: list) -> Any:
+def _run_plan(plan: _Plan, leaves: list, hit: bool = False) -> Any:
     """Launch the plan's kernel (``device_model.launching.launch``) with the call's leaves as
     its arguments; its results as spyre tensors. The common call first: no size bucket, each
     tensor read in its own bytes (a weight, the result of the op before); else
-    :func:`_run_gathered`."""
+    :func:`_run_gathered`. ``hit``: the plan was found by the fast key (counted here)."""
     if plan.pad is not None:
-        return _run_gathered(plan, leaves)
+        return _run_gathered(plan, leaves, hit)
     operands: list[Any] = []
     for i, kind, pdt, lay, nt in plan.inputs:
         x = leaves[i]
         if kind == "T":
             b = ops.own_bytes(x.transpose(-1, -2) if nt else x, lay)
             if b is None:  # gathered: by the kernel, or on the host
-                return _run_gathered(plan, leaves)
+                return _run_gathered(plan, leaves, hit)
             operands.append(b)
         else:
             operands.append(_host_operand(x, kind, pdt))
     bufs = launch(plan.compiled, operands, defer=True)
     with _lock:
         _counts["launches"] += 1
+        _counts["cache_hits"] += hit
     return _as_tensors(plan, bufs)
 
 
@@ -608,7 +615,7 @@ def _as_tensors(plan: _Plan, bufs: list) -> Any:
     return tuple(st.from_card(b, dt, sd, None, r) for b, (dt, sd), r in res)
 
 
-def _run_gathered(plan: _Plan, leaves: list) -> Any:
+def _run_gathered(plan: _Plan, leaves: list, hit: bool = False) -> Any:
     """:func:`_run_plan` with operands gathered (by the kernel, fused into its program, or on
     the host) or padded to a size bucket."""
     operands: list[Any] = []
@@ -641,6 +648,7 @@ def _run_gathered(plan: _Plan, leaves: list) -> Any:
             b.delete()
     with _lock:
         _counts["launches"] += 1
+        _counts["cache_hits"] += hit
         if pad is not None:
             _counts["padded_launches"] += 1
             _counts["padding_bytes"] += padding

@@ -21,7 +21,7 @@ from device_model.layout import TensorLayout, layout_for, np_dtype
 from device_model.runtime import DeviceBuffer
 from lowering.from_fx import card_dtype
 
-from .storage import Region, alias, describe, region
+from .storage import Region, alias, region
 from .strides import contig_strides, key_strides
 
 __all__ = ["as_card_buffer", "card_operand", "own_bytes", "relayout_module"]
@@ -188,15 +188,24 @@ def _view_array(r: Region, source: tuple[Any, ...]) -> tuple[Any, bool]:
 def _operand(r: Region, t: torch.Tensor, layout: TensorLayout, data: Any) -> DeviceBuffer:
     """A new buffer for ``t`` in ``layout`` holding ``data``, its re-layout a step."""
     buf = DeviceBuffer.allocate(layout.nbytes, layout, rt=r.rt, tag="torch-operand", payload=data)
-    if layout.shape != tuple(t.shape):
-        card_runtime.device_copy(
-            f"pad {describe(t)} to {list(layout.shape)}", [r.buf], [buf], layout.nbytes
-        )
+    shape = tuple(t.shape)
+    if layout.shape != shape:
+        name = _step_name("pad", t.dtype, shape, layout.shape)
+        card_runtime.device_copy(name, [r.buf], [buf], layout.nbytes)
     elif not t.is_contiguous():
-        card_runtime.device_copy(f"relayout {describe(t)}", [r.buf], [buf], layout.nbytes)
+        name = _step_name("relayout", t.dtype, shape, None)
+        card_runtime.device_copy(name, [r.buf], [buf], layout.nbytes)
     else:  # the kernel reads the tensor's own bytes: it must not race their writer
         card_runtime.check_reads("read operand", [r.buf])
     return buf
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_name(what: str, dtype: torch.dtype, shape: tuple, target: tuple | None) -> str:
+    """The timeline's name of an operand's re-layout step (made once per geometry: one step
+    per gathered operand of every eager op)."""
+    name = f"{what} {str(dtype).removeprefix('torch.')}{list(shape)}"
+    return name if target is None else f"{name} to {list(target)}"
 
 
 def _gathered(r: Region, t: torch.Tensor, layout: TensorLayout, fill: Any = 0) -> Any:

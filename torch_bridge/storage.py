@@ -207,7 +207,7 @@ def _release(ptr: int, region: Region, _ref: Any = None) -> None:
     with _lock:
         if _regions.get(ptr) is region:
             del _regions[ptr]
-        kept = _shadowed.pop(ptr, [])
+        kept = _shadowed.pop(ptr, ())
     for rt, base in kept:  # the address is free for torch again: so are the blocks kept there
         rt.memory.free(base)
     region.ref = None  # the reference and its callback held the region: they go now
