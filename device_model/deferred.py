@@ -150,7 +150,7 @@ class Trace:
     def record(self, program: Callable[..., Any], args: Sequence[Any], nout: int) -> list[Any]:
         """:meth:`call` of a program known to have run on its own here: recorded, its
         ``nout`` results :class:`Deferred` (the trace runs when it holds :data:`MAX_RUNS`)."""
-        outs = [Deferred(self) for _ in range(nout)]
+        outs = [Deferred(self)] if nout == 1 else [Deferred(self) for _ in range(nout)]
         with self.lock:
             self._runs.append((program, args, outs))
             self.counts["runs"] += 1
@@ -184,8 +184,8 @@ class Trace:
                             d._error = e
                     batch.values = running
                     raise
-                for k, d in enumerate(outs):
-                    v = d._value = res[k]
+                for m, d in enumerate(outs):
+                    v = d._value = res[m]
                     if not v.is_ready():  # still running (JAX's asynchronous dispatch, if on)
                         running.append(v)
             batch.values = running

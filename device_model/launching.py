@@ -211,10 +211,14 @@ class LaunchRecord:
         if len(addrs) > nout:
             rt.memory.free(addrs[-1])  # the workspace of intermediates
         state = PendingRun if results and type(results[0]) is Deferred else OnCard
-        outs = [
-            DeviceBuffer(rt, a, n, lay, state(r))
-            for a, (lay, n), r in zip(addrs, self.outs, results, strict=False)
-        ]
+        if nout == 1:
+            lay, n = self.outs[0]
+            outs = [DeviceBuffer(rt, addrs[0], n, lay, state(results[0]))]
+        else:
+            outs = [
+                DeviceBuffer(rt, a, n, lay, state(r))
+                for a, (lay, n), r in zip(addrs, self.outs, results, strict=False)
+            ]
         rt.queues.submit(
             sid,
             "run_kernel",
@@ -235,19 +239,20 @@ def record_readers(
     finished (it ran where called; the outputs of one run are ready together), each such input
     records the launch among its readers (its writer waits for it), or where one keeps no
     record the launch waits here (and then no record is needed)."""
-    shared = [b for b in bufs if b.state.shared]
-    if not shared:
-        return
-    lists = [b._readers for b in shared]
-    if None in lists:
-        exe._block([card_array(r) for r in results])
-        return
-    # a deferred run is waited for as its trace's batch (its results may die first)
-    mark = rt.trace.batch if type(results[0]) is Deferred else None
-    for rd in lists:
+    mark: Any = None
+    for b in bufs:
+        if not b.state.shared:
+            continue
+        rd = b._readers
+        if rd is None:  # (a record made before for another input is of a run now finished)
+            exe._block([card_array(r) for r in results])
+            return
+        if mark is None:  # a deferred run is waited for as its trace's batch (its results
+            # may die first)
+            mark = rt.trace.batch if type(results[0]) is Deferred else False
         if len(rd) >= READERS_PRUNE:
             rd[:] = [r for r in rd if not r.is_ready()]
-        if mark is None:
+        if mark is False:
             rd.extend(results)
         elif not rd or rd[-1] is not mark:
             rd.append(mark)

@@ -78,14 +78,6 @@ class DeviceMemory:
         return cls(card.device_memory_usable_bytes, card.stick_bytes)
 
     # ---- free-list primitives (caller holds the lock) ----
-    def _take_free(self, start: int, size: int) -> None:
-        self._free.pop(bisect_left(self._free, (start, size)))
-        self._by_size.pop(bisect_left(self._by_size, (size, start)))
-
-    def _put_free(self, start: int, size: int) -> None:
-        insort(self._free, (start, size))
-        insort(self._by_size, (size, start))
-
     def _largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
@@ -94,19 +86,26 @@ class DeviceMemory:
             raise ValueError(f"cannot allocate a negative size ({nbytes} bytes)")
         a = self.alignment
         size = (-(-nbytes // a) or 1) * a  # whole alignment units, at least one
-        i = bisect_left(self._by_size, (size, -1))
-        if i == len(self._by_size):
+        by_size = self._by_size
+        i = bisect_left(by_size, (size, -1))
+        if i == len(by_size):
             raise DeviceOOMError(nbytes, self._in_use, self.capacity, self._largest_free())
-        block, start = self._by_size[i]
-        self._take_free(start, block)
-        if block > size:
-            self._put_free(start + size, block - size)
+        block, start = by_size.pop(i)
+        free = self._free
+        j = bisect_left(free, (start, block))
+        if block > size:  # the rest stays free where the block was (the list stays sorted)
+            free[j] = (start + size, block - size)
+            insort(by_size, (block - size, start + size))
+        else:
+            free.pop(j)
         self._live[start] = size
         self._tags[start] = tag
         self._in_use += size
-        self._peak = max(self._peak, self._in_use)
+        if self._in_use > self._peak:
+            self._peak = self._in_use
         self._num_allocs += 1
-        self._largest_alloc = max(self._largest_alloc, size)
+        if size > self._largest_alloc:
+            self._largest_alloc = size
         return start
 
     def _free_locked(self, addr: int) -> None:
@@ -116,20 +115,29 @@ class DeviceMemory:
                 f"spyre device memory: free of address {addr:#x}, which is not a live allocation"
                 " (double free or unknown address)"
             )
-        self._tags.pop(addr, None)
-        self._payload.pop(addr, None)
+        del self._tags[addr]
+        if self._payload:
+            self._payload.pop(addr, None)
         self._in_use -= size
+        free, by_size = self._free, self._by_size
         start, end = addr, addr + size
-        j = bisect_left(self._free, (addr, 0))
-        if j < len(self._free) and self._free[j][0] == end:  # right neighbour is free
-            right = self._free[j][1]
-            self._take_free(end, right)
+        j = bisect_left(free, (addr, 0))
+        left = free[j - 1] if j > 0 and sum(free[j - 1]) == start else None
+        if j < len(free) and free[j][0] == end:  # right neighbour is free: merged
+            right = free[j][1]
+            by_size.pop(bisect_left(by_size, (right, end)))
             end += right
-        if j > 0 and sum(self._free[j - 1]) == start:  # left neighbour is free
-            left_start, left = self._free[j - 1]
-            self._take_free(left_start, left)
-            start = left_start
-        self._put_free(start, end - start)
+            if left is not None:  # and the left one: the three are one block
+                free.pop(j)
+        if left is not None:
+            by_size.pop(bisect_left(by_size, (left[1], left[0])))
+            start = left[0]
+            free[j - 1] = (start, end - start)
+        elif end != addr + size:
+            free[j] = (start, end - start)
+        else:
+            free.insert(j, (start, size))
+        insort(by_size, (end - start, start))
 
     # ---- public API ----
     def alloc(self, nbytes: int, *, tag: str = "") -> int:

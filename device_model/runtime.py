@@ -286,7 +286,11 @@ class DeviceBuffer:
         RuntimeError once the buffer has been freed."""
         s = self.state
         base = self._base
-        if type(s) is not Deleted and (base is None or base.alive):
+        if type(s) is not Deleted and (
+            base is None
+            or (base._base is None and type(base.state) is not Deleted)  # (alive, inlined)
+            or base.alive
+        ):
             return s.value
         raise RuntimeError(f"spyre: device buffer at {self.addr:#x} has been deleted")
 

@@ -93,6 +93,10 @@ Clock = tuple[tuple[int, int], ...]  # sorted (stream id, steps seen) pairs
 
 def _merge(*clocks: Clock) -> Clock:
     first = clocks[0]
+    if len(clocks) == 2 and len(first) == 1:  # one stream's clock and the host's (eager ops)
+        other = clocks[1]
+        if len(other) == 1 and other[0][0] == first[0][0]:
+            return first if first[0][1] >= other[0][1] else other
     for c in clocks:
         if c and c != first:
             break
@@ -350,7 +354,11 @@ class Queues:
     ) -> None:
         """The race check of :meth:`submit`, alone (to refuse a launch before allocating)."""
         writers = self.writers
-        if not any((w := writers.get(b)) is not None and w.stream != stream for b in reads):
+        for b in reads:
+            w = writers.get(b)
+            if w is not None and w.stream != stream:
+                break
+        else:
             return  # every argument was written by this stream (or by nobody): no race possible
         with self.lock:
             st = self.state(stream)

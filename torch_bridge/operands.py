@@ -18,6 +18,7 @@ import torch
 
 from device_model import runtime as card_runtime
 from device_model.layout import TensorLayout, layout_for, np_dtype
+from device_model.payload import Deleted
 from device_model.runtime import DeviceBuffer
 from lowering.from_fx import card_dtype
 
@@ -287,8 +288,8 @@ def _card_view(r: Region, t: torch.Tensor, layout: TensorLayout) -> DeviceBuffer
     off = t.storage_offset()
     key = (off, layout)
     hit = r.views.get(key)
-    if hit is not None and hit[0] == r.buf.version and hit[1].alive:
-        return hit[1]
+    if hit is not None and hit[0] == r.buf.version and type(r.buf.state) is not Deleted:
+        return hit[1]  # (a view of r.buf: alive while it is)
     npd = np_dtype(layout.dtype)
     start = off * t.element_size()
     n = math.prod(layout.device_shape) * npd.itemsize

@@ -220,7 +220,8 @@ def _storage_at(
     region = Region(buf, pending)
     if payload is not None:
         buf.store(payload, shared=True)  # torch's bytes: the host writes them in place
-    buf.track_readers()  # launches reading a view of it record themselves there
+    if buf._readers is None:  # (track_readers, inlined: launches reading a view of it record
+        buf._readers = []  # themselves there)
     with _lock:
         _regions[ptr] = region
     st = torch._C._construct_storage_from_data_pointer(ptr, device(), region.nbytes)
