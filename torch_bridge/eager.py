@@ -501,7 +501,8 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     for a in args:
         ta = type(a)
         if ta is torch.Tensor or isinstance(a, torch.Tensor):
-            key.append((a.device, a.shape, _strides(a), a.dtype))
+            shape = a.shape  # (key_strides inlined for a shape with no dim of 1)
+            key.append((a.device, shape, _strides(a) if 1 in shape else a.stride(), a.dtype))
             leaves.append(a)
         elif ta is int or ta is float or ta is bool:
             key.append((ta, a))

@@ -33,7 +33,7 @@ import torch
 
 from device_model import runtime as card_runtime
 from device_model.layout import TensorLayout
-from device_model.payload import State
+from device_model.payload import PendingRun, State
 from device_model.runtime import DeviceBuffer, Runtime, runtime
 from lowering.from_fx import card_dtype
 
@@ -493,8 +493,11 @@ def from_card(
     :class:`CardResult` of these arguments where the caller keeps one (an eager plan's
     output), made here otherwise."""
     lay = buf.layout
-    data = buf.payload()
-    host = type(data) is np.ndarray  # (a launch's result: a card array, pending or run)
+    if result is not None and type(buf.state) is PendingRun:  # an eager launch's result
+        data, host = None, False
+    else:
+        data = buf.payload()
+        host = type(data) is np.ndarray  # (a launch's result: a card array, pending or run)
     if result is None or host:
         shape = lay.shape if shape is None else tuple(shape)
         result = card_result(lay, dtype or _TORCH_OF_CARD[lay.dtype], stride, shape)
