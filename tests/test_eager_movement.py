@@ -158,6 +158,20 @@ def test_cat_of_mixed_dtypes_or_an_empty_input_takes_the_ordinary_path():
         torch.cat([torch.randn(2, 3).to("spyre"), torch.randn(3, 3).to("spyre")], 1)
 
 
+def test_cat_with_an_empty_1d_input_runs_on_the_card_without_it():
+    """torch skips a 1-D input of no elements (an empty cache a first ``cat`` fills): the call
+    runs on the card without it, not on the host for having no elements (regression: each
+    layer's first key and value ``cat`` of ``generate()`` ran on the host)."""
+    k = torch.randn(1, 2, 8, 32)
+    host = eager.stats()["host_factories"]
+    got = torch.cat([torch.empty(0).to("spyre"), k.to("spyre")], dim=-2)
+    assert eager.stats()["host_factories"] == host
+    _same(got, torch.cat([torch.empty(0), k], dim=-2))
+    # an empty input of another dtype takes part in the result's dtype: the ordinary path
+    e = torch.empty(0, dtype=torch.float16)
+    _same(torch.cat([e.to("spyre"), k.to("spyre")], -2), torch.cat([e, k], -2))
+
+
 @pytest.mark.slow
 def test_isin_over_growing_elements_runs_on_a_bucket():
     """``isin`` (generate's end-of-sequence check) pads the elements, never the values looked

@@ -107,6 +107,24 @@ def try_card_cat(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return st.from_card(buf, dtype, None, shape)
 
 
+def without_skipped(args: tuple, kwargs: dict) -> tuple | None:
+    """``cat``'s arguments less the inputs torch skips: 1-D tensors of no elements (an empty
+    cache that a first ``cat`` fills), where every input is a spyre tensor of one dtype (an
+    empty input still takes part in the result's dtype); None when there are none of them, or
+    nothing else. Without this the call would have no elements to compute on the card and would
+    run on the host (``generate()``'s first ``cat`` of each layer's keys and values)."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(tensors, list | tuple) or type(dim) is not int:
+        return None
+    if not all(st.is_spyre(t) for t in tensors) or len({t.dtype for t in tensors}) != 1:
+        return None
+    rest = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]
+    if len(rest) == len(tensors) or not rest:
+        return None
+    return rest, dim
+
+
 def _movement(
     geometries: tuple[tuple | None, ...], layout: TensorLayout, dim: int, rt: Runtime
 ) -> Executable:

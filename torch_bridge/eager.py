@@ -53,7 +53,7 @@ from . import operands as ops
 from . import storage as st
 from .card_cat import reset_stats as reset_card_cats
 from .card_cat import stats as card_cat_stats
-from .card_cat import try_card_cat
+from .card_cat import try_card_cat, without_skipped
 from .errors import SpyreFallbackWarning
 from .host_ops import run_on_host
 from .kernels import load
@@ -555,6 +555,9 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
         res = try_card_cat(args, kwargs)
         if res is not None:
             return res
+        kept = without_skipped(args, kwargs)
+        if kept is not None:  # (an empty input torch skips: on the card without it)
+            return _compute(op, kept, {})
     fast = None if kwargs else _fast_key(op, args)
     if fast is not None:  # (_cached_plan's hit, inlined: its count goes with the launch's)
         plan = _fast.get(fast[0])
