@@ -163,10 +163,15 @@ def test_cat_with_an_empty_1d_input_runs_on_the_card_without_it():
     runs on the card without it, not on the host for having no elements (regression: each
     layer's first key and value ``cat`` of ``generate()`` ran on the host)."""
     k = torch.randn(1, 2, 8, 32)
-    host = eager.stats()["host_factories"]
-    got = torch.cat([torch.empty(0).to("spyre"), k.to("spyre")], dim=-2)
-    assert eager.stats()["host_factories"] == host
+    sk = k.to("spyre") + 0  # a whole pending result: moved on the card, no kernel compiled
+    host, compiles = eager.stats()["host_factories"], _compiles()
+    got = torch.cat([torch.empty(0).to("spyre"), sk], dim=-2)
+    assert eager.stats()["host_factories"] == host and _compiles() == compiles
     _same(got, torch.cat([torch.empty(0), k], dim=-2))
+    # two inputs left: the cat runs on the card without the empty one
+    got = torch.cat([sk, torch.empty(0).to("spyre"), sk], dim=-2)
+    assert eager.stats()["host_factories"] == host
+    _same(got, torch.cat([k, torch.empty(0), k], dim=-2))
     # an empty input of another dtype takes part in the result's dtype: the ordinary path
     e = torch.empty(0, dtype=torch.float16)
     _same(torch.cat([e.to("spyre"), k.to("spyre")], -2), torch.cat([e, k], -2))

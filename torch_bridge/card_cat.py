@@ -112,7 +112,9 @@ def without_skipped(args: tuple, kwargs: dict) -> tuple | None:
     cache that a first ``cat`` fills), where every input is a spyre tensor of one dtype (an
     empty input still takes part in the result's dtype); None when there are none of them, or
     nothing else. Without this the call would have no elements to compute on the card and would
-    run on the host (``generate()``'s first ``cat`` of each layer's keys and values)."""
+    run on the host (``generate()``'s first ``cat`` of each layer's keys and values: the one
+    input left, a whole pending result, moves on the card instead, no kernel compiled for the
+    prompt's length)."""
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(tensors, list | tuple) or type(dim) is not int:
