@@ -114,14 +114,9 @@ class LaunchRecord:
         #: the card's trace this program has run in on its own (later runs are recorded there)
         self.trace: Any = None
 
-    def __call__(
-        self,
-        args: Sequence[Any],
-        defer: bool = False,
-        params: Sequence[Any] = (),
-        seconds: float | None = None,
-        donate: Sequence[int] = (),
-    ) -> list[DeviceBuffer]:
+    def __call__(self, args: Sequence[Any], *options: Any) -> list[DeviceBuffer]:
+        """:func:`launch`: ``options`` are its ``defer``, ``params``, ``seconds``, ``donate``."""
+        defer, params, seconds, donate = options
         rt = self.rt
         sid = current_stream_id() if rt is runtime() else DEFAULT_STREAM
         if len(args) != self.nin:

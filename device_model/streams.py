@@ -289,10 +289,8 @@ class Queues:
                 clock = _merge(tok.clock, self.host_clock, *(w.clock for w in waits))
                 start = max(tok.time, self.host_time, *(w.time for w in waits))
             else:
-                clock, hc = tok.clock, self.host_clock
-                if hc and hc != clock:  # (_merge's common case inlined: one step per eager op)
-                    clock = _merge(clock, hc)
-                start = tok.time if tok.time > self.host_time else self.host_time
+                clock = _merge(tok.clock, self.host_clock)
+                start = max(tok.time, self.host_time)
             if reads and not checked:
                 self._check_races(stream, kind, name, clock, reads)
             pipe = PIPELINE_OF[kind]

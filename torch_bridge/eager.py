@@ -473,10 +473,10 @@ def _compile(op: Any, gm: torch.fx.GraphModule, spec: Any, orig: list, inputs: l
 
 def _try_card(op: Any, args: tuple, kwargs: dict) -> Any:
     """The op's results as spyre tensors, computed on the card; None if it runs on the CPU."""
-    plan, leaves = _cached_plan(op, args, kwargs)
+    plan, leaves, hit = _cached_plan(op, args, kwargs)
     if plan.compiled is None:
         return None
-    return _run_plan(plan, leaves)
+    return _run_plan(plan, leaves, hit)
 
 
 def _reason(op: Any, args: tuple, kwargs: dict) -> str | None:
@@ -501,8 +501,7 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     for a in args:
         ta = type(a)
         if ta is torch.Tensor or isinstance(a, torch.Tensor):
-            shape = a.shape  # (key_strides inlined for a shape with no dim of 1)
-            key.append((a.device, shape, _strides(a) if 1 in shape else a.stride(), a.dtype))
+            key.append((a.device, a.shape, _strides(a), a.dtype))
             leaves.append(a)
         elif ta is int or ta is float or ta is bool:
             key.append((ta, a))
@@ -527,23 +526,21 @@ def _fast_key(op: Any, args: tuple) -> tuple[Any, list] | None:
     return tuple(key), leaves
 
 
-def _cached_plan(op: Any, args: tuple, kwargs: dict, fast: Any = ()) -> tuple[_Plan, list]:
+def _cached_plan(op: Any, args: tuple, kwargs: dict) -> tuple[_Plan, list, bool]:
     """:func:`_plan_for` through the fast key where the call has one (a card plan found by it
-    skips the general signature). ``fast``: the call's fast key, where the caller made it."""
-    if fast == ():
-        fast = None if kwargs else _fast_key(op, args)
+    skips the general signature); and whether the fast key found it (a ``cache_hits``, which
+    :func:`_run_plan` counts with the launch)."""
+    fast = None if kwargs else _fast_key(op, args)
     if fast is not None:
         plan = _fast.get(fast[0])
         if plan is not None:
-            with _lock:
-                _counts["cache_hits"] += 1
-            return plan, fast[1]
+            return plan, fast[1], True
     plan, leaves = _plan_for(op, args, kwargs)
     if plan.compiled is not None and fast is not None:
         if len(_fast) >= FAST_PLANS:
             _fast.clear()
         _fast[fast[0]] = plan
-    return plan, leaves
+    return plan, leaves, False
 
 
 #: ``cat``, which runs on a size bucket as a data movement once its sizes vary (card_cat)
@@ -563,14 +560,9 @@ def _compute(op: Any, args: tuple, kwargs: dict) -> Any:
             if st.copy_on_card(out, kept[0][0]):  # a whole result: moved, no kernel
                 return out
             del out  # (else the host copies it, below: no kernel for the prompt's length)
-    fast = None if kwargs else _fast_key(op, args)
-    if fast is not None:  # (_cached_plan's hit, inlined: its count goes with the launch's)
-        plan = _fast.get(fast[0])
-        if plan is not None:
-            return _run_plan(plan, fast[1], hit=True)
-    plan, leaves = _cached_plan(op, args, kwargs, fast)
+    plan, leaves, hit = _cached_plan(op, args, kwargs)
     if plan.compiled is not None:
-        return _run_plan(plan, leaves)
+        return _run_plan(plan, leaves, hit)
     if plan.host:
         with _lock:
             _counts["host_factories"] += 1
@@ -599,9 +591,6 @@ def _run_plan(plan: _Plan, leaves: list, hit: bool = False) -> Any:
     with _lock:
         _counts["launches"] += 1
         _counts["cache_hits"] += hit
-    results = plan.results
-    if results is not None and plan.single:  # (_as_tensors' common case, inlined)
-        return st.from_card(bufs[0], *plan.outs[0], None, results[0])
     return _as_tensors(plan, bufs)
 
 

@@ -220,8 +220,7 @@ def _storage_at(
     region = Region(buf, pending)
     if payload is not None:
         buf.store(payload, shared=True)  # torch's bytes: the host writes them in place
-    if buf._readers is None:  # (track_readers, inlined: launches reading a view of it record
-        buf._readers = []  # themselves there)
+    buf.track_readers()  # launches reading a view of it record themselves there
     with _lock:
         _regions[ptr] = region
     st = torch._C._construct_storage_from_data_pointer(ptr, device(), region.nbytes)
@@ -301,10 +300,15 @@ def new_tensor(
 
 
 def _tensor_on(
-    storage: torch.UntypedStorage, dtype: torch.dtype, size: Sequence[int], stride: Sequence[int]
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
 ) -> torch.Tensor:
+    """A new tensor over all of ``storage`` (``set_storage`` for sizes already tuples: one per
+    eager op's result)."""
     t = torch._C._acc.create_empty_tensor([0], dtype)
-    return set_storage(t, storage, 0, size, stride)
+    return _SET.redispatch_boxed(CPU_KEYS, t, storage, 0, size, stride)
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
@@ -518,8 +522,7 @@ def from_card(
     if not fits:
         st = new_storage(nbytes, payload, pending, buf.state)
         buf.delete()
-    t = torch._C._acc.create_empty_tensor([0], dtype)  # _tensor_on, inlined (one per eager op)
-    return _SET.redispatch_boxed(CPU_KEYS, t, st, 0, shape, result.strides)
+    return _tensor_on(st, dtype, shape, result.strides)
 
 
 def _torch_bytes(
